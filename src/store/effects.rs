@@ -1,0 +1,113 @@
+//! The effect ledger: effect key → (job, generation, fingerprint, outcome).
+//!
+//! A record is written only by the job's current generation: the insert reads the job
+//! row `FOR SHARE` under the fence, so a reap or a newer claim cannot slip between the
+//! check and the insert. The first outcome recorded for a key wins; later attempts get
+//! it back instead of acting again.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::Row;
+
+use super::{secs, Store};
+use crate::error::Result;
+use crate::job::{Fence, Generation, JobId};
+
+pub(super) const RECORD: &str = r#"/* leasehold:effect_record */
+WITH fence AS (
+    SELECT id FROM {s}.jobs
+    WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
+    FOR SHARE
+), ins AS (
+    INSERT INTO {s}.effects (effect_key, job_id, generation, fingerprint, outcome, keep_until)
+    SELECT $4, $1, $3, $5, $6, now() + make_interval(secs => $7) FROM fence
+    ON CONFLICT (effect_key) DO NOTHING
+    RETURNING effect_key
+)
+SELECT (SELECT count(*) FROM fence) AS fenced, (SELECT count(*) FROM ins) AS inserted"#;
+
+pub(super) const LOOKUP: &str = r#"/* leasehold:effect_lookup */
+SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_until
+FROM {s}.effects WHERE effect_key = $1"#;
+
+/// A recorded effect.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EffectRecord {
+    pub effect_key: String,
+    pub job: JobId,
+    pub generation: Generation,
+    pub fingerprint: String,
+    pub outcome: serde_json::Value,
+    pub recorded_at: DateTime<Utc>,
+    pub keep_until: DateTime<Utc>,
+}
+
+/// Result of recording an effect's outcome.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordOutcome {
+    /// This call recorded the outcome.
+    Recorded,
+    /// The key already had an outcome (returned); nothing was written.
+    AlreadyRecorded(EffectRecord),
+    /// The worker no longer owns this generation; nothing was written.
+    Stale,
+}
+
+impl Store {
+    /// Look an effect up by its key.
+    pub async fn effect(&self, effect_key: &str) -> Result<Option<EffectRecord>> {
+        let row = sqlx::query(&self.sql().effect_lookup)
+            .bind(effect_key)
+            .fetch_optional(self.pool())
+            .await?;
+        row.map(|r| {
+            Ok(EffectRecord {
+                effect_key: r.try_get("effect_key")?,
+                job: JobId(r.try_get("job_id")?),
+                generation: Generation(r.try_get("generation")?),
+                fingerprint: r.try_get("fingerprint")?,
+                outcome: r.try_get("outcome")?,
+                recorded_at: r.try_get("recorded_at")?,
+                keep_until: r.try_get("keep_until")?,
+            })
+        })
+        .transpose()
+    }
+
+    /// Record an effect's outcome under the fence. `keep` is how long the ledger must
+    /// keep it (at least the longest retry window).
+    pub async fn record_effect(
+        &self,
+        fence: &Fence,
+        effect_key: &str,
+        fingerprint: &str,
+        outcome: &serde_json::Value,
+        keep: Duration,
+    ) -> Result<RecordOutcome> {
+        let row = sqlx::query(&self.sql().effect_record)
+            .bind(fence.job.0)
+            .bind(fence.owner.as_str())
+            .bind(fence.generation.0)
+            .bind(effect_key)
+            .bind(fingerprint)
+            .bind(outcome)
+            .bind(secs(keep))
+            .fetch_one(self.pool())
+            .await?;
+        let fenced: i64 = row.try_get("fenced")?;
+        let inserted: i64 = row.try_get("inserted")?;
+        if fenced == 0 {
+            return Ok(RecordOutcome::Stale);
+        }
+        if inserted == 1 {
+            return Ok(RecordOutcome::Recorded);
+        }
+        match self.effect(effect_key).await? {
+            Some(existing) => Ok(RecordOutcome::AlreadyRecorded(existing)),
+            // Pruned between the two statements: only possible with a keep shorter than
+            // the retry window; report it as already there rather than guess.
+            None => Ok(RecordOutcome::Stale),
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! Forward-only migrations into the library's own schema, with its own version table.
+//!
+//! Several processes may start at once: a transaction-scoped advisory lock (keyed by
+//! the schema name) serializes them, and each re-reads the applied versions under the
+//! lock, so the second one finds nothing to do. The host's `_sqlx_migrations` table is
+//! never touched.
+
+use sqlx::{Connection, PgPool};
+
+use super::schema::Schema;
+use crate::error::{Error, Result};
+
+/// (version, description, SQL template). Append only; never edit an applied entry.
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "jobs, keys, lease expiries, history, effect ledger",
+    include_str!("../../migrations/0001_jobs.sql"),
+)];
+
+/// The newest schema version this build knows.
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// Apply every missing migration to `schema`. A no-op when already applied.
+pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
+    let mut conn = pool.acquire().await?;
+    let mut tx = conn.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))")
+        .bind(schema.name())
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(&schema.render("CREATE SCHEMA IF NOT EXISTS {s}"))
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(&schema.render(
+        "CREATE TABLE IF NOT EXISTS {s}.leasehold_migrations (
+             version     integer PRIMARY KEY,
+             description text NOT NULL,
+             applied_at  timestamptz NOT NULL DEFAULT now())",
+    ))
+    .execute(&mut *tx)
+    .await?;
+    let applied: Vec<i32> =
+        sqlx::query_scalar(&schema.render("SELECT version FROM {s}.leasehold_migrations"))
+            .fetch_all(&mut *tx)
+            .await?;
+    for &(version, description, template) in MIGRATIONS {
+        if applied.contains(&version) {
+            continue;
+        }
+        let sql = template.replace("__SCHEMA__", schema.quoted());
+        sqlx::raw_sql(&sql)
+            .execute(&mut *tx)
+            .await
+            .map_err(|source| Error::Migration { version, source })?;
+        sqlx::query(
+            &schema.render(
+                "INSERT INTO {s}.leasehold_migrations (version, description) VALUES ($1, $2)",
+            ),
+        )
+        .bind(version)
+        .bind(description)
+        .execute(&mut *tx)
+        .await?;
+        tracing::info!(
+            schema = schema.name(),
+            version,
+            description,
+            "leasehold migration applied"
+        );
+    }
+    tx.commit().await?;
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! The store: the only place leasehold speaks SQL.
+//!
+//! Each function is one statement or one short transaction. Every write about a
+//! claimed job is conditional on its [`Fence`](crate::Fence) `(id, owner, generation,
+//! state='running')`, and says what happened with an outcome enum. Functions that a
+//! caller may want inside its own transaction take `&mut PgConnection` (a
+//! `Transaction` derefs to one) and end in `_in`.
+//!
+//! Deadlines use the database clock. Functions that tests need to move through time
+//! take `at: Option<DateTime<Utc>>`, used in SQL as `coalesce($at, now())`.
+
+mod admin;
+mod claim;
+mod complete;
+mod effects;
+mod enqueue;
+pub(crate) use enqueue::check_name;
+mod keys;
+mod lease;
+mod migrate;
+mod reap;
+mod schema;
+mod stats;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+pub use admin::PruneReport;
+pub use claim::ClaimRequest;
+pub use complete::Failure;
+pub use effects::{EffectRecord, RecordOutcome};
+pub use lease::RenewReport;
+pub use migrate::SCHEMA_VERSION;
+pub use reap::ReapReport;
+pub use schema::Schema;
+pub use stats::{KeyBlock, QueueStats};
+
+use crate::error::Result;
+
+/// Store limits and defaults that do not change per call.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Largest accepted payload, in bytes of its JSON encoding. Default 256 KiB.
+    pub max_payload_bytes: usize,
+    /// Attempts a job gets when its `NewJob` does not say. Default 25.
+    pub default_max_attempts: i32,
+    /// Write `claimed` and `completed` history events too (failures, expiries, releases
+    /// and operator actions are always recorded). Default true.
+    pub full_history: bool,
+}
+
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 256 * 1024;
+pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            default_max_attempts: DEFAULT_MAX_ATTEMPTS,
+            full_history: true,
+        }
+    }
+}
+
+/// Retry timing for failed attempts and expired leases, computed by the database:
+/// `min(cap, base * 2^(attempt-1))`, reduced by up to `jitter` (a fraction) at random.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Backoff {
+    pub base: Duration,
+    pub cap: Duration,
+    /// 0.0 ..= 1.0.
+    pub jitter: f64,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(600),
+            jitter: 0.25,
+        }
+    }
+}
+
+/// Handle to the job tables of one schema. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    schema: Schema,
+    options: StoreOptions,
+    sql: Statements,
+}
+
+impl Store {
+    /// A store over `schema` (validated here). Call [`Store::migrate`] before use.
+    pub fn new(pool: PgPool, schema: &str, options: StoreOptions) -> Result<Self> {
+        let schema = Schema::new(schema)?;
+        let sql = Statements::render(&schema);
+        Ok(Store {
+            inner: Arc::new(Inner {
+                pool,
+                schema,
+                options,
+                sql,
+            }),
+        })
+    }
+
+    /// Create or upgrade the schema. Safe to call from many processes at once.
+    pub async fn migrate(&self) -> Result<()> {
+        migrate::migrate(&self.inner.pool, &self.inner.schema).await
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    pub fn schema(&self) -> &Schema {
+        &self.inner.schema
+    }
+
+    pub fn options(&self) -> &StoreOptions {
+        &self.inner.options
+    }
+
+    pub(crate) fn sql(&self) -> &Statements {
+        &self.inner.sql
+    }
+}
+
+/// Every statement, rendered once for the schema. sqlx prepares each on first use per
+/// connection and reuses it, so the hot path never re-parses.
+pub(crate) struct Statements {
+    pub enqueue: String,
+    pub claim: String,
+    pub claim_key: String,
+    pub renew: String,
+    pub complete: String,
+    pub complete_many: String,
+    pub completion_readback: String,
+    pub fail: String,
+    pub release: String,
+    pub leave_keys: String,
+    pub promote: String,
+    pub reap: String,
+    pub effect_record: String,
+    pub effect_lookup: String,
+}
+
+impl Statements {
+    fn render(s: &Schema) -> Self {
+        Statements {
+            enqueue: s.render(enqueue::ENQUEUE),
+            claim: s.render(&claim::with_returned(claim::CLAIM)),
+            claim_key: s.render(&claim::with_returned(claim::CLAIM_KEY)),
+            renew: s.render(lease::RENEW),
+            complete: s.render(complete::COMPLETE),
+            complete_many: s.render(complete::COMPLETE_MANY),
+            completion_readback: s.render(complete::COMPLETION_READBACK),
+            fail: s.render(complete::FAIL),
+            release: s.render(complete::RELEASE),
+            leave_keys: s.render(keys::LEAVE_KEYS),
+            promote: s.render(keys::PROMOTE),
+            reap: s.render(reap::REAP),
+            effect_record: s.render(effects::RECORD),
+            effect_lookup: s.render(effects::LOOKUP),
+        }
+    }
+}
+
+/// Seconds as the `float8` that `make_interval(secs => ...)` takes.
+pub(crate) fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// PostgreSQL text cannot hold NUL; error text is ours to sanitize (it is a record, not
+/// an identity), and long texts are cut so a 10 MB panic message cannot bloat the row.
+pub(crate) fn sanitize_error_text(text: &str) -> String {
+    const MAX: usize = 4096;
+    let mut out: String = text.replace('\0', "\\0");
+    if out.len() > MAX {
+        let mut cut = MAX;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+        out.push_str(" …[truncated]");
+    }
+    out
+}

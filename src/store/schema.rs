@@ -1,0 +1,76 @@
+//! The schema name: the only identifier leasehold puts into SQL text.
+//!
+//! Every value (queue, kind, key, payload, error text) is a bound parameter. The schema
+//! name cannot be one, so it is validated here once and quoted here once; every
+//! statement template says `{s}` where the quoted name goes.
+
+use crate::error::{Error, Result};
+
+/// A validated schema name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schema {
+    name: String,
+    quoted: String,
+}
+
+impl Schema {
+    /// Accepts 1-63 characters of `a-z`, `0-9`, `_`, not starting with a digit.
+    pub fn new(name: &str) -> Result<Self> {
+        let ok = !name.is_empty()
+            && name.len() <= 63
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            && !name.as_bytes()[0].is_ascii_digit();
+        if !ok {
+            return Err(Error::InvalidSchema(name.to_string()));
+        }
+        Ok(Schema {
+            name: name.to_string(),
+            quoted: format!("\"{name}\""),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The quoted identifier, for SQL text.
+    pub fn quoted(&self) -> &str {
+        &self.quoted
+    }
+
+    /// A statement template with `{s}` replaced by the quoted schema.
+    pub(crate) fn render(&self, template: &str) -> String {
+        template.replace("{s}", &self.quoted)
+    }
+
+    /// The LISTEN/NOTIFY channel of this schema.
+    pub fn channel(&self) -> String {
+        format!("leasehold_{}", self.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_that_could_inject_are_refused() {
+        for bad in [
+            "",
+            "Jobs",
+            "a-b",
+            "x\"; drop table jobs;--",
+            "1abc",
+            &"a".repeat(64),
+            "é",
+        ] {
+            assert!(Schema::new(bad).is_err(), "{bad:?} must be refused");
+        }
+        assert_eq!(
+            Schema::new("leasehold_2").unwrap().quoted(),
+            "\"leasehold_2\""
+        );
+    }
+}

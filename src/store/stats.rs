@@ -1,0 +1,99 @@
+//! Queue statistics for the metrics snapshot: depth by state, oldest eligible job,
+//! lease ages, expiries and blocked keys — all read from the database, so they hold
+//! across processes.
+
+use std::collections::BTreeMap;
+
+use sqlx::Row;
+
+use super::Store;
+use crate::error::Result;
+
+/// Per-queue figures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QueueStats {
+    pub queue: String,
+    /// Jobs by state name.
+    pub by_state: BTreeMap<String, i64>,
+    /// Seconds the oldest claimable (pending and due) job has waited.
+    pub oldest_eligible_age_secs: f64,
+    /// Seconds since the oldest running job was claimed.
+    pub oldest_running_secs: f64,
+    /// Sum of attempts over open jobs (retries show up here).
+    pub open_attempts: i64,
+    /// Leases that expired and were taken back, ever (reacquisitions).
+    pub lease_expiries: i64,
+}
+
+/// A key whose head is dead or held, with jobs waiting behind it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeyBlock {
+    pub queue: String,
+    pub key: String,
+    pub head_state: String,
+    pub waiting: i64,
+}
+
+impl Store {
+    /// Figures per queue.
+    pub async fn queue_stats(&self) -> Result<Vec<QueueStats>> {
+        let sql = self.schema().render(
+            "SELECT queue, state, count(*) AS n,
+                    coalesce(extract(epoch FROM now() - min(available_at)
+                        FILTER (WHERE state = 'pending' AND available_at <= now())), 0)::float8 AS eligible_age,
+                    coalesce(extract(epoch FROM now() - min(claimed_at)
+                        FILTER (WHERE state = 'running')), 0)::float8 AS running_age,
+                    coalesce(sum(attempts) FILTER (WHERE state IN ('pending', 'running', 'waiting', 'held')), 0)::int8 AS attempts
+             FROM {s}.jobs GROUP BY queue, state",
+        );
+        let rows = sqlx::query(&sql).fetch_all(self.pool()).await?;
+        let mut out: BTreeMap<String, QueueStats> = BTreeMap::new();
+        for r in rows {
+            let queue: String = r.try_get("queue")?;
+            let s = out.entry(queue.clone()).or_insert_with(|| QueueStats {
+                queue,
+                ..Default::default()
+            });
+            s.by_state.insert(r.try_get("state")?, r.try_get("n")?);
+            s.oldest_eligible_age_secs = s.oldest_eligible_age_secs.max(r.try_get("eligible_age")?);
+            s.oldest_running_secs = s.oldest_running_secs.max(r.try_get("running_age")?);
+            s.open_attempts += r.try_get::<i64, _>("attempts")?;
+        }
+        let exp_sql = self.schema().render(
+            "SELECT j.queue, count(*) FROM {s}.lease_expiries e JOIN {s}.jobs j ON j.id = e.job_id GROUP BY j.queue",
+        );
+        for (queue, n) in sqlx::query_as::<_, (String, i64)>(&exp_sql)
+            .fetch_all(self.pool())
+            .await?
+        {
+            if let Some(s) = out.get_mut(&queue) {
+                s.lease_expiries = n;
+            }
+        }
+        Ok(out.into_values().collect())
+    }
+
+    /// Keys blocked by a dead or held head, with the number of jobs waiting behind it.
+    pub async fn blocked_keys(&self, limit: i64) -> Result<Vec<KeyBlock>> {
+        let sql = self.schema().render(
+            "SELECT h.queue, h.job_key, h.state,
+                    (SELECT count(*) FROM {s}.jobs w
+                      WHERE w.queue = h.queue AND w.job_key = h.job_key AND w.state = 'waiting') AS waiting
+             FROM {s}.jobs h
+             WHERE h.job_key IS NOT NULL AND h.state IN ('dead', 'held')
+               AND (h.state = 'held' OR h.dead_blocks_key)
+             ORDER BY h.id LIMIT $1",
+        );
+        let rows = sqlx::query(&sql).bind(limit).fetch_all(self.pool()).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(KeyBlock {
+                    queue: r.try_get("queue")?,
+                    key: r.try_get("job_key")?,
+                    head_state: r.try_get("state")?,
+                    waiting: r.try_get("waiting")?,
+                })
+            })
+            .collect()
+    }
+}
