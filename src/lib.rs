@@ -1,14 +1,25 @@
 #![doc = include_str!("../README.md")]
 
+mod actor;
 pub mod config;
+pub mod context;
+mod env;
 pub mod error;
+mod executor;
+pub mod handler;
 pub mod job;
+pub mod metrics;
+pub mod scheduler;
 pub mod store;
 
 pub use config::{Config, RetryPolicy};
+pub use context::{CancelReason, EffectKey, JobContext};
 pub use error::{Error, Result};
+pub use handler::{Handler, JobError};
 pub use job::{
     ClaimedJob, CompleteOutcome, DeadKeyPolicy, FailOutcome, Fence, FenceOutcome, Generation,
     JobEvent, JobId, JobRecord, JobState, NewJob, OwnerId,
 };
+pub use metrics::MetricsSnapshot;
+pub use scheduler::{Scheduler, SchedulerBuilder, ShutdownReport};
 pub use store::{Backoff, ClaimRequest, Failure, Store, StoreOptions};

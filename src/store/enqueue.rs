@@ -91,6 +91,18 @@ pub(crate) fn check_name(field: &'static str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// A NUL character in any string or object key of the payload.
+fn contains_nul(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(items) => items.iter().any(contains_nul),
+        serde_json::Value::Object(map) => {
+            map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v))
+        }
+        _ => false,
+    }
+}
+
 impl Store {
     fn columns(&self, jobs: Vec<NewJob>) -> Result<Columns> {
         let mut c = Columns::default();
@@ -118,8 +130,10 @@ impl Store {
                     limit,
                 });
             }
-            // jsonb refuses \u0000; say so before the database does, in our words.
-            if encoded.contains("\\u0000") {
+            // jsonb refuses \u0000; say so before the database does, in our words. Look
+            // at the values, not the encoded text: there an escaped backslash followed by
+            // "u0000" (no NUL at all) looks the same.
+            if contains_nul(&job.payload) {
                 return Err(Error::InvalidPayload(
                     "a string contains NUL (\\u0000), which PostgreSQL jsonb cannot store".into(),
                 ));

@@ -117,6 +117,20 @@ impl Store {
         migrate::migrate(&self.inner.pool, &self.inner.schema).await
     }
 
+    /// The same store over another pool (the scheduler's maintenance connections).
+    pub fn with_pool(&self, pool: PgPool) -> Store {
+        let i = &self.inner;
+        let sql = Statements::render(&i.schema);
+        Store {
+            inner: Arc::new(Inner {
+                pool,
+                schema: i.schema.clone(),
+                options: i.options.clone(),
+                sql,
+            }),
+        }
+    }
+
     pub fn pool(&self) -> &PgPool {
         &self.inner.pool
     }

@@ -15,23 +15,37 @@ pub fn test_db_name() -> String {
 
 pub fn base_options() -> PgConnectOptions {
     let host = std::env::var("PGHOST").unwrap_or_else(|_| "127.0.0.1".into());
-    let port: u16 = std::env::var("PGPORT").ok().and_then(|p| p.parse().ok()).unwrap_or(5432);
+    let port: u16 = std::env::var("PGPORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(5432);
     let user = std::env::var("PGUSER").unwrap_or_else(|_| "root".into());
-    PgConnectOptions::new().host(&host).port(port).username(&user).log_statements(tracing::log::LevelFilter::Trace)
+    PgConnectOptions::new()
+        .host(&host)
+        .port(port)
+        .username(&user)
+        .log_statements(tracing::log::LevelFilter::Trace)
 }
 
 /// Create the shared test database if it does not exist (racing tests are fine).
 pub async fn ensure_database() {
     let name = test_db_name();
-    let mut admin = base_options().database("postgres").connect().await.expect("connect to postgres database");
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-        .bind(&name)
-        .fetch_one(&mut admin)
+    let mut admin = base_options()
+        .database("postgres")
+        .connect()
         .await
-        .unwrap();
+        .expect("connect to postgres database");
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&name)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap();
     if !exists {
         // Two tests may race here; the loser's "already exists" is harmless.
-        let _ = sqlx::query(&format!("CREATE DATABASE \"{name}\"")).execute(&mut admin).await;
+        let _ = sqlx::query(&format!("CREATE DATABASE \"{name}\""))
+            .execute(&mut admin)
+            .await;
     }
 }
 
@@ -51,12 +65,25 @@ impl TestDb {
     pub async fn with_options(test: &str, options: StoreOptions, pool_size: u32) -> TestDb {
         ensure_database().await;
         let nonce: u32 = rand::random();
-        let schema = format!("t_{}_{:08x}", test.chars().filter(|c| c.is_ascii_alphanumeric()).take(30).collect::<String>().to_lowercase(), nonce);
+        let schema = format!(
+            "t_{}_{:08x}",
+            test.chars()
+                .filter(|c| c.is_ascii_alphanumeric())
+                .take(30)
+                .collect::<String>()
+                .to_lowercase(),
+            nonce
+        );
         let app_name = format!("lh-{schema}");
         let pool = pool_for(&app_name, pool_size).await;
         let store = Store::new(pool.clone(), &schema, options).unwrap();
         store.migrate().await.unwrap();
-        TestDb { schema, pool, store, app_name }
+        TestDb {
+            schema,
+            pool,
+            store,
+            app_name,
+        }
     }
 
     /// A second pool on the same schema (another "worker"), tagged `suffix`.
@@ -75,18 +102,24 @@ impl TestDb {
     }
 
     pub async fn state_of(&self, id: leasehold::JobId) -> String {
-        sqlx::query_scalar(&format!("SELECT state FROM {} WHERE id = $1", self.table("jobs")))
-            .bind(id.0)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
+        sqlx::query_scalar(&format!(
+            "SELECT state FROM {} WHERE id = $1",
+            self.table("jobs")
+        ))
+        .bind(id.0)
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
     }
 
     pub async fn count_where(&self, table: &str, cond: &str) -> i64 {
-        sqlx::query_scalar(&format!("SELECT count(*) FROM {} WHERE {cond}", self.table(table)))
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
+        sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {} WHERE {cond}",
+            self.table(table)
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
     }
 
     /// Terminate every backend whose application_name starts with `prefix`.
@@ -102,8 +135,14 @@ impl TestDb {
 
     pub async fn drop(self) {
         self.pool.close().await;
-        let mut conn = base_options().database(&test_db_name()).connect().await.unwrap();
-        let _ = sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema)).execute(&mut conn).await;
+        let mut conn = base_options()
+            .database(&test_db_name())
+            .connect()
+            .await
+            .unwrap();
+        let _ = sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema))
+            .execute(&mut conn)
+            .await;
     }
 }
 
@@ -111,7 +150,11 @@ pub async fn pool_for(app_name: &str, size: u32) -> PgPool {
     PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(base_options().database(&test_db_name()).application_name(app_name))
+        .connect_with(
+            base_options()
+                .database(&test_db_name())
+                .application_name(app_name),
+        )
         .await
         .expect("connect to test database")
 }
@@ -127,4 +170,209 @@ pub fn keyed(kind: &str, key: &str, n: i64) -> NewJob {
 
 pub fn owner(name: &str) -> OwnerId {
     OwnerId::named(format!("{name}:{:08x}", rand::random::<u32>()))
+}
+
+// ---------------------------------------------------------------------------
+// Store-test helpers: test clock, bounded waits, raw connections, a test effect
+// store (no unique constraint, so a duplicate apply is countable), plan inspection.
+// ---------------------------------------------------------------------------
+
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use leasehold::{Backoff, ClaimRequest, Generation, JobId};
+use sqlx::PgConnection;
+
+/// The lease the store tests claim with. Long: leases end by the `at` test clock, never
+/// by waiting.
+pub const LEASE: Duration = Duration::from_secs(30);
+
+/// Upper bound on a whole test: every test stops by itself, even if a lock is never
+/// released.
+pub const TEST_DEADLINE: Duration = Duration::from_secs(180);
+
+/// Run a test body with [`TEST_DEADLINE`].
+pub async fn bounded<T>(body: impl Future<Output = T>) -> T {
+    tokio::time::timeout(TEST_DEADLINE, body)
+        .await
+        .expect("test exceeded its deadline (a lock or wait never ended)")
+}
+
+/// Await `fut` for at most `secs` seconds; panic naming `what` otherwise.
+pub async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {secs}s"))
+}
+
+/// A claim request on the default queue with [`LEASE`].
+pub fn claim_req(owner: &OwnerId, limit: i64) -> ClaimRequest {
+    ClaimRequest::new(
+        owner.clone(),
+        vec![leasehold::config::DEFAULT_QUEUE.to_string()],
+        limit,
+        LEASE,
+    )
+}
+
+/// Like [`claim_req`], as if the database time were `at`.
+pub fn claim_at(owner: &OwnerId, limit: i64, at: DateTime<Utc>) -> ClaimRequest {
+    let mut req = claim_req(owner, limit);
+    req.at = Some(at);
+    req
+}
+
+/// Backoff without jitter: a retry is due exactly `secs` after the failure.
+pub fn fixed_backoff(secs: u64) -> Backoff {
+    Backoff {
+        base: Duration::from_secs(secs),
+        cap: Duration::from_secs(secs),
+        jitter: 0.0,
+    }
+}
+
+/// A test-clock instant far beyond any lease or backoff a test uses.
+pub fn far_future() -> DateTime<Utc> {
+    Utc::now() + chrono::Duration::days(3650)
+}
+
+pub fn secs_after(t: DateTime<Utc>, secs: i64) -> DateTime<Utc> {
+    t + chrono::Duration::seconds(secs)
+}
+
+impl TestDb {
+    /// A store over this schema with its own pool of `size` connections, tagged `suffix`.
+    pub async fn other_store_sized(&self, suffix: &str, size: u32) -> Store {
+        let pool = self.other_pool(suffix, size).await;
+        Store::new(pool, &self.schema, self.store.options().clone()).unwrap()
+    }
+
+    /// The application_name of connections opened with `suffix` (for `kill_backends`).
+    pub fn app_name_of(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.app_name)
+    }
+
+    /// A raw connection to the test database tagged `suffix` (a worker's own session).
+    pub async fn raw_conn(&self, suffix: &str) -> PgConnection {
+        base_options()
+            .database(&test_db_name())
+            .application_name(&self.app_name_of(suffix))
+            .connect()
+            .await
+            .expect("raw connection")
+    }
+
+    /// Terminate the backends tagged `suffix` and wait until they are gone, so their
+    /// locks are released before the test goes on.
+    pub async fn kill_and_wait(&self, suffix: &str) -> i64 {
+        let name = self.app_name_of(suffix);
+        let killed = self.kill_backends(&name).await;
+        within(10, "terminated backends to exit", async {
+            loop {
+                let left: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                )
+                .bind(&name)
+                .fetch_one(&self.pool)
+                .await
+                .unwrap();
+                if left == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        killed
+    }
+
+    /// Wait until a backend tagged `suffix` is waiting for a lock.
+    pub async fn wait_until_lock_waiting(&self, suffix: &str) {
+        let name = self.app_name_of(suffix);
+        within(10, "backend to wait for a lock", async {
+            loop {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                )
+                .bind(&name)
+                .fetch_one(&self.pool)
+                .await
+                .unwrap();
+                if waiting > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+    }
+
+    /// Create the test effect store: deliberately no unique constraint, so a duplicate
+    /// apply shows up as a second row.
+    pub async fn create_effects_table(&self) {
+        sqlx::query(&format!(
+            "CREATE TABLE {} (effect_key text NOT NULL, job_id bigint NOT NULL, generation bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+            self.table("test_effects")
+        ))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+
+    /// Apply an external effect (one row in `test_effects`).
+    pub async fn apply_effect(&self, effect_key: &str, job: JobId, generation: Generation) {
+        let mut conn = self.pool.acquire().await.unwrap();
+        self.apply_effect_in(&mut conn, effect_key, job, generation)
+            .await
+    }
+
+    /// Apply an effect inside the caller's transaction (a business write in the same
+    /// database as the job).
+    pub async fn apply_effect_in(
+        &self,
+        conn: &mut PgConnection,
+        effect_key: &str,
+        job: JobId,
+        generation: Generation,
+    ) {
+        sqlx::query(&format!(
+            "INSERT INTO {} (effect_key, job_id, generation) VALUES ($1, $2, $3)",
+            self.table("test_effects")
+        ))
+        .bind(effect_key)
+        .bind(job.0)
+        .bind(generation.0)
+        .execute(conn)
+        .await
+        .unwrap();
+    }
+
+    /// Rows in `test_effects`, all or for one effect key.
+    pub async fn effect_count(&self, effect_key: Option<&str>) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {} WHERE $1::text IS NULL OR effect_key = $1",
+            self.table("test_effects")
+        ))
+        .bind(effect_key)
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// Generations that applied `effect_key`, in apply order.
+    pub async fn effect_generations(&self, effect_key: &str) -> Vec<i64> {
+        sqlx::query_scalar(&format!(
+            "SELECT generation FROM {} WHERE effect_key = $1 ORDER BY applied_at",
+            self.table("test_effects")
+        ))
+        .bind(effect_key)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// Rows of `jobs` (and `job_keys`) — "nothing was written" checks.
+    pub async fn job_count(&self) -> i64 {
+        self.count_where("jobs", "true").await
+    }
 }

@@ -1,0 +1,161 @@
+//! The actors of a scheduler, one per file.
+//!
+//! | actor          | arbiter      | does                                                        |
+//! |----------------|--------------|-------------------------------------------------------------|
+//! | `Claimer`      | host's       | short claim statements; hands keyed jobs to sequencers      |
+//! | `Sequencer`    | host's       | one per active key: runs its jobs one at a time, in order   |
+//! | `Completer`    | host's       | batches fenced completions into one statement               |
+//! | `LeaseRenewer` | maintenance  | extends leases in batches; fires cancellation when lost     |
+//! | `Reaper`       | maintenance  | takes back expired leases; applies the retention policy     |
+//! | listener task  | maintenance  | LISTEN for wake-ups, reconnecting after a drop              |
+//!
+//! The maintenance arbiter is its own thread with its own small pool, so a handler that
+//! hogs the host's thread cannot starve lease renewal.
+
+pub(crate) mod claimer;
+pub(crate) mod completer;
+pub(crate) mod lease_renewer;
+pub(crate) mod listener;
+pub(crate) mod reaper;
+pub(crate) mod sequencer;
+
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+
+use actix::dev::ToEnvelope;
+use actix::prelude::*;
+
+use crate::metrics::MailboxMeter;
+
+/// Stop the actor (shutdown). Sent by the scheduler only.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Stop;
+
+/// Wait until an actor's mailbox has closed (the actor stopped), at most `limit`.
+pub(crate) async fn stopped<A: Actor>(addr: &Addr<A>, limit: std::time::Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while addr.connected() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    true
+}
+
+/// An actor address that counts what it sends (actix has no mailbox length).
+pub(crate) struct Metered<A: Actor> {
+    addr: Addr<A>,
+    meter: Arc<MailboxMeter>,
+}
+
+impl<A: Actor> Clone for Metered<A> {
+    fn clone(&self) -> Self {
+        Metered {
+            addr: self.addr.clone(),
+            meter: self.meter.clone(),
+        }
+    }
+}
+
+impl<A: Actor> Metered<A> {
+    pub fn new(addr: Addr<A>, meter: Arc<MailboxMeter>) -> Self {
+        Metered { addr, meter }
+    }
+
+    pub fn addr(&self) -> &Addr<A> {
+        &self.addr
+    }
+
+    /// Send without waiting. A full mailbox is counted and the message still delivered;
+    /// a stopped actor gives the message back.
+    pub fn tell<M>(&self, msg: M) -> Result<(), M>
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        A: Handler<M>,
+        A::Context: ToEnvelope<A, M>,
+    {
+        match self.addr.try_send(msg) {
+            Ok(()) => {
+                self.meter.sent();
+                Ok(())
+            }
+            Err(SendError::Full(msg)) => {
+                self.meter.overflowed();
+                self.meter.sent();
+                tracing::warn!(
+                    actor = std::any::type_name::<A>(),
+                    "mailbox at capacity; delivering anyway"
+                );
+                self.addr.do_send(msg);
+                Ok(())
+            }
+            Err(SendError::Closed(msg)) => Err(msg),
+        }
+    }
+
+    /// Send and wait for the reply.
+    pub async fn ask<M>(&self, msg: M) -> Result<M::Result, MailboxError>
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        A: Handler<M>,
+        A::Context: ToEnvelope<A, M>,
+    {
+        self.meter.sent();
+        self.addr.send(msg).await
+    }
+}
+
+/// Execution slots and the in-flight byte budget, shared by the claimer and the
+/// sequencers (a sequencer's fetch-next reuses the slot of the job that just ended).
+#[derive(Debug)]
+pub(crate) struct Slots {
+    free: AtomicUsize,
+    bytes_in_use: AtomicI64,
+    byte_budget: i64,
+}
+
+impl Slots {
+    pub fn new(concurrency: usize, byte_budget: usize) -> Self {
+        Slots {
+            free: AtomicUsize::new(concurrency),
+            bytes_in_use: AtomicI64::new(0),
+            byte_budget: byte_budget as i64,
+        }
+    }
+
+    /// Reserve up to `want` slots; returns how many were reserved.
+    pub fn take(&self, want: usize) -> usize {
+        let mut cur = self.free.load(SeqCst);
+        loop {
+            let n = cur.min(want);
+            if n == 0 {
+                return 0;
+            }
+            match self.free.compare_exchange(cur, cur - n, SeqCst, SeqCst) {
+                Ok(_) => return n,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    pub fn give_back(&self, n: usize) {
+        self.free.fetch_add(n, SeqCst);
+    }
+
+    /// Bytes the next claim may still take.
+    pub fn byte_room(&self) -> i64 {
+        (self.byte_budget - self.bytes_in_use.load(SeqCst)).max(0)
+    }
+
+    pub fn hold_bytes(&self, n: i32) {
+        self.bytes_in_use.fetch_add(n as i64, SeqCst);
+    }
+
+    pub fn release_bytes(&self, n: i32) {
+        self.bytes_in_use.fetch_sub(n as i64, SeqCst);
+    }
+}

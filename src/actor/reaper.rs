@@ -1,0 +1,138 @@
+//! Reaper: takes back running jobs whose lease passed, and applies the retention policy.
+//!
+//! # Messages
+//! - [`ReapNow`]: one pass now, returning its report (tests, tools).
+//!
+//! # Lifecycle
+//! Runs on the maintenance arbiter with its own pool, every `reaper_interval`. Any
+//! number of reapers, in any number of processes, may run at once: the store's reap is
+//! one guarded statement. It never consults the handler registry.
+//!
+//! # Failure
+//! A failed pass is counted and retried at the next tick.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+
+use crate::error::Result;
+use crate::job::OwnerId;
+use crate::metrics::{MailboxMeter, Metrics};
+use crate::store::{Backoff, ReapReport, Store};
+
+/// Run one reap pass (until no expired lease is left, in batches) and report.
+#[derive(Message)]
+#[rtype(result = "Result<ReapReport>")]
+pub(crate) struct ReapNow;
+
+pub(crate) struct Reaper {
+    store: Store,
+    owner: OwnerId,
+    backoff: Backoff,
+    batch: i64,
+    interval: std::time::Duration,
+    retention: Option<std::time::Duration>,
+    busy: bool,
+    meter: Arc<MailboxMeter>,
+    metrics: Arc<Metrics>,
+}
+
+impl Reaper {
+    pub fn new(
+        store: Store,
+        owner: OwnerId,
+        config: &crate::Config,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Reaper {
+            store,
+            owner,
+            backoff: config.retry.backoff,
+            batch: config.reaper_batch,
+            interval: config.reaper_interval,
+            retention: config.retention,
+            busy: false,
+            meter: metrics.meter("reaper"),
+            metrics,
+        }
+    }
+
+    fn reap_once(&mut self) -> impl ActorFuture<Self, Output = Result<ReapReport>> {
+        self.busy = true;
+        let store = self.store.clone();
+        let owner = self.owner.clone();
+        let backoff = self.backoff;
+        let batch = self.batch;
+        let retention = self.retention;
+        async move {
+            let mut total = ReapReport::default();
+            loop {
+                let report = store.reap(&owner, &backoff, batch, None).await?;
+                let n = report.retried.len() + report.dead.len();
+                total.retried.extend(report.retried);
+                total.dead.extend(report.dead);
+                if (n as i64) < batch {
+                    break;
+                }
+            }
+            if let Some(keep) = retention {
+                let pruned = store.prune(keep, 10_000).await?;
+                if pruned.jobs > 0 {
+                    tracing::info!(
+                        jobs = pruned.jobs,
+                        effects = pruned.effects,
+                        "leasehold retention pruned"
+                    );
+                }
+            }
+            Ok(total)
+        }
+        .into_actor(self)
+        .map(|res: Result<ReapReport>, act, _| {
+            act.busy = false;
+            match &res {
+                Ok(r) => act
+                    .metrics
+                    .add(|c| &c.reaped, (r.retried.len() + r.dead.len()) as u64),
+                Err(e) => {
+                    act.metrics.incr(|c| &c.db_errors);
+                    tracing::warn!(error = %e, "leasehold reap failed; retrying next tick");
+                }
+            }
+            res
+        })
+    }
+}
+
+impl Actor for Reaper {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(self.interval, |act, ctx| {
+            if !act.busy {
+                ctx.spawn(act.reap_once().map(|_, _, _| ()));
+            }
+        });
+    }
+}
+
+impl Handler<ReapNow> for Reaper {
+    type Result = ResponseActFuture<Self, Result<ReapReport>>;
+    fn handle(&mut self, _: ReapNow, _: &mut Self::Context) -> Self::Result {
+        let _m = self.meter.handling();
+        Box::pin(self.reap_once())
+    }
+}
+
+impl Handler<super::Stop> for Reaper {
+    type Result = ResponseActFuture<Self, ()>;
+    fn handle(&mut self, _: super::Stop, _: &mut Self::Context) -> Self::Result {
+        let _m = self.meter.handling();
+        let pool = self.store.pool().clone();
+        Box::pin(
+            async move { pool.close().await }
+                .into_actor(self)
+                .map(|_, _, ctx| ctx.stop()),
+        )
+    }
+}

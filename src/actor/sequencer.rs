@@ -1,0 +1,234 @@
+//! Sequencer: one actor per active key; runs that key's jobs one at a time, in order.
+//!
+//! # Messages
+//! - [`RunJob`]: a claimed job of this key (from the claimer).
+//!
+//! # Lifecycle
+//! Created on demand in the scheduler's registry (a dashmap keyed by queue and key).
+//! The database already guarantees only the key's head is claimable; the sequencer adds
+//! the in-process part: when a job completes (which promoted its successor in the same
+//! transaction), it claims the key's next job at once with the slot just freed, instead
+//! of waiting for the claimer's next poll. After `sequencer_idle` without work it
+//! removes itself from the registry and stops.
+//!
+//! # Backpressure
+//! A job delivered while another runs waits in the sequencer (rare: only after a
+//! release or a reap). Each queued job already holds its slot.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+
+use actix::prelude::*;
+
+use super::Metered;
+use crate::env::Env;
+use crate::executor::{execute, Ended};
+use crate::job::ClaimedJob;
+use crate::metrics::MailboxMeter;
+
+/// Run this claimed job after the ones before it.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct RunJob(pub ClaimedJob);
+
+/// A registry entry: the address and how many `RunJob`s are on their way to it.
+#[derive(Clone)]
+pub(crate) struct SequencerHandle {
+    addr: Metered<Sequencer>,
+    inbox: Arc<AtomicUsize>,
+}
+
+impl SequencerHandle {
+    /// Ask the sequencer to stop (shutdown, after every attempt has ended).
+    pub fn stop(&self) -> Result<(), super::Stop> {
+        self.addr.tell(super::Stop)
+    }
+
+    /// Deliver to the key's sequencer, creating it if needed. Runs under the registry
+    /// entry's lock, so a sequencer that is retiring either sees the message counted
+    /// in its inbox (and stays) or is already gone from the registry (and a new one is
+    /// made).
+    pub fn deliver(env: &Arc<Env>, key: (String, String), msg: RunJob) {
+        let mut msg = msg;
+        loop {
+            let entry = env
+                .sequencers
+                .entry(key.clone())
+                .or_insert_with(|| Sequencer::spawn(env.clone(), key.clone()));
+            entry.inbox.fetch_add(1, SeqCst);
+            match entry.addr.tell(msg) {
+                Ok(()) => return,
+                Err(back) => {
+                    // Stopped without leaving the registry (should not happen): replace it.
+                    msg = back;
+                    drop(entry);
+                    env.sequencers.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+pub(crate) struct Sequencer {
+    env: Arc<Env>,
+    key: (String, String),
+    inbox: Arc<AtomicUsize>,
+    running: bool,
+    fetching: bool,
+    backlog: VecDeque<ClaimedJob>,
+    idle_timer: Option<SpawnHandle>,
+    meter: Arc<MailboxMeter>,
+}
+
+impl Sequencer {
+    fn spawn(env: Arc<Env>, key: (String, String)) -> SequencerHandle {
+        let inbox = Arc::new(AtomicUsize::new(0));
+        let meter = env.metrics.meter("sequencer");
+        let seq = Sequencer {
+            env: env.clone(),
+            key,
+            inbox: inbox.clone(),
+            running: false,
+            fetching: false,
+            backlog: VecDeque::new(),
+            idle_timer: None,
+            meter: meter.clone(),
+        };
+        SequencerHandle {
+            addr: Metered::new(seq.start(), meter),
+            inbox,
+        }
+    }
+
+    fn run(&mut self, job: ClaimedJob, ctx: &mut Context<Self>) {
+        if let Some(t) = self.idle_timer.take() {
+            ctx.cancel_future(t);
+        }
+        self.running = true;
+        let env = self.env.clone();
+        let bytes = job.payload_bytes;
+        ctx.spawn(
+            execute(env, job)
+                .into_actor(self)
+                .map(move |ended, act, ctx| {
+                    act.running = false;
+                    act.env.slots.release_bytes(bytes);
+                    act.after(ended, ctx);
+                }),
+        );
+    }
+
+    /// The running job ended, and its slot is still held here.
+    fn after(&mut self, ended: Ended, ctx: &mut Context<Self>) {
+        if let Some(next) = self.backlog.pop_front() {
+            // It brought its own slot.
+            self.env.slots.give_back(1);
+            self.run(next, ctx);
+            return;
+        }
+        let key_moved_on = matches!(ended, Ended::Completed) && !self.env.hard_stop.is_cancelled();
+        if !key_moved_on {
+            self.release_slot(ctx);
+            return;
+        }
+        // Fetch the key's next job with the slot we hold.
+        self.fetching = true;
+        let env = self.env.clone();
+        let (queue, key) = self.key.clone();
+        ctx.spawn(
+            async move {
+                env.store
+                    .claim_key(&env.owner, &queue, &key, Some(&env.kinds), env.config.lease, None)
+                    .await
+            }
+            .into_actor(self)
+            .map(|res, act, ctx| {
+                act.fetching = false;
+                match res {
+                    Ok(Some(job)) => {
+                        act.env.metrics.incr(|c| &c.claimed);
+                        act.env.slots.hold_bytes(job.payload_bytes);
+                        // It takes over our slot; anything delivered meanwhile waits behind.
+                        act.run(job, ctx);
+                    }
+                    Ok(None) => act.release_slot(ctx),
+                    Err(e) => {
+                        act.env.metrics.incr(|c| &c.db_errors);
+                        tracing::warn!(error = %e, "leasehold sequencer fetch-next failed; the claimer will find the job");
+                        act.release_slot(ctx);
+                    }
+                }
+            }),
+        );
+    }
+
+    /// Give back the slot of the job that ended, then run what the claimer delivered
+    /// meanwhile (it holds its own slot) or start the idle countdown.
+    fn release_slot(&mut self, ctx: &mut Context<Self>) {
+        self.env.slots.give_back(1);
+        self.env.wake_claimer();
+        match self.backlog.pop_front() {
+            Some(next) => self.run(next, ctx),
+            None => self.arm_idle(ctx),
+        }
+    }
+
+    fn arm_idle(&mut self, ctx: &mut Context<Self>) {
+        if self.idle_timer.is_some() {
+            return;
+        }
+        self.idle_timer = Some(ctx.run_later(self.env.config.sequencer_idle, |act, ctx| {
+            act.idle_timer = None;
+            if act.running || act.fetching || !act.backlog.is_empty() {
+                return;
+            }
+            let me = ctx.address();
+            let inbox = act.inbox.clone();
+            let removed = act
+                .env
+                .sequencers
+                .remove_if(&act.key, |_, h| {
+                    h.addr.addr() == &me && inbox.load(SeqCst) == 0
+                })
+                .is_some();
+            if removed {
+                ctx.stop();
+            }
+        }));
+    }
+}
+
+impl Actor for Sequencer {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(self.env.config.mailbox_capacity);
+        self.env.metrics.sequencers.fetch_add(1, SeqCst);
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        self.env.metrics.sequencers.fetch_sub(1, SeqCst);
+    }
+}
+
+impl Handler<RunJob> for Sequencer {
+    type Result = ();
+    fn handle(&mut self, RunJob(job): RunJob, ctx: &mut Self::Context) {
+        let _m = self.meter.handling();
+        self.inbox.fetch_sub(1, SeqCst);
+        if self.running || self.fetching {
+            self.backlog.push_back(job);
+        } else {
+            self.run(job, ctx);
+        }
+    }
+}
+
+impl Handler<super::Stop> for Sequencer {
+    type Result = ();
+    fn handle(&mut self, _: super::Stop, ctx: &mut Self::Context) {
+        let _m = self.meter.handling();
+        ctx.stop();
+    }
+}

@@ -1,0 +1,295 @@
+//! What a handler knows about its attempt: identity, fencing token, cancellation, and
+//! the effect helpers.
+//!
+//! # Effects
+//!
+//! An external effect (a charge, a webhook) must not happen twice. Each effect gets an
+//! [`EffectKey`] derived from the job id and a step name the handler chooses, never
+//! from the generation or attempt: every attempt of a step shares it, so the effect
+//! store can deduplicate. [`JobContext::once`] runs an effect under its key and records
+//! its outcome in the ledger (fenced: only the current generation may record); a later
+//! attempt gets the recorded outcome back instead of acting again.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use sqlx::PgConnection;
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::JobError;
+use crate::job::{ClaimedJob, CompleteOutcome, Fence, Generation, JobId};
+use crate::store::{RecordOutcome, Store};
+
+/// Why a handler was asked to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelReason {
+    /// A renewal found the lease gone: another worker may own the job now. Stop, and do
+    /// not start new effects.
+    LeaseLost,
+    /// The scheduler is shutting down and the grace period ended.
+    Shutdown,
+    /// The attempt exceeded the maximum run time.
+    Timeout,
+}
+
+/// A stable effect key: `"<job id>/<step>"`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EffectKey(String);
+
+impl EffectKey {
+    pub fn new(job: JobId, step: &str) -> Self {
+        EffectKey(format!("{job}/{step}"))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for EffectKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The handler's view of its attempt. Cheap to clone.
+#[derive(Clone)]
+pub struct JobContext {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    job: ClaimedJob,
+    store: Store,
+    cancel: CancellationToken,
+    reason: Mutex<Option<CancelReason>>,
+    effect_keep: std::time::Duration,
+    completed_in_tx: Mutex<bool>,
+}
+
+impl JobContext {
+    pub(crate) fn new(job: ClaimedJob, store: Store, effect_keep: std::time::Duration) -> Self {
+        JobContext {
+            inner: Arc::new(Inner {
+                job,
+                store,
+                cancel: CancellationToken::new(),
+                reason: Mutex::new(None),
+                effect_keep,
+                completed_in_tx: Mutex::new(false),
+            }),
+        }
+    }
+
+    pub fn job_id(&self) -> JobId {
+        self.inner.job.id
+    }
+    pub fn queue(&self) -> &str {
+        &self.inner.job.queue
+    }
+    pub fn kind(&self) -> &str {
+        &self.inner.job.kind
+    }
+    pub fn key(&self) -> Option<&str> {
+        self.inner.job.key.as_deref()
+    }
+    /// 1 for the first attempt.
+    pub fn attempt(&self) -> i32 {
+        self.inner.job.attempt
+    }
+    pub fn max_attempts(&self) -> i32 {
+        self.inner.job.max_attempts
+    }
+    /// The fencing token: pass it to stores that reject older tokens.
+    pub fn generation(&self) -> Generation {
+        self.inner.job.generation
+    }
+    pub fn fence(&self) -> Fence {
+        self.inner.job.fence()
+    }
+    pub fn job(&self) -> &ClaimedJob {
+        &self.inner.job
+    }
+
+    /// Resolves when the attempt should stop (lost lease, shutdown, timeout).
+    pub async fn cancelled(&self) {
+        self.inner.cancel.cancelled().await
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.inner.cancel.is_cancelled()
+    }
+    pub fn cancel_reason(&self) -> Option<CancelReason> {
+        *self.inner.reason.lock().unwrap()
+    }
+
+    pub(crate) fn cancel(&self, reason: CancelReason) {
+        self.inner.reason.lock().unwrap().get_or_insert(reason);
+        self.inner.cancel.cancel();
+    }
+
+    pub(crate) fn token(&self) -> CancellationToken {
+        self.inner.cancel.clone()
+    }
+
+    pub(crate) fn completed_in_tx(&self) -> bool {
+        *self.inner.completed_in_tx.lock().unwrap()
+    }
+
+    /// The stable key of this job's effect `step`.
+    pub fn effect_key(&self, step: &str) -> EffectKey {
+        EffectKey::new(self.inner.job.id, step)
+    }
+
+    /// Complete the job inside the handler's own transaction, together with its
+    /// business writes: commit both or neither. Returns `Stale` if this attempt lost
+    /// its fence — then roll back. After `Completed`, commit, and return `Ok` from the
+    /// handler; the scheduler will not complete the job a second time.
+    pub async fn complete_in(
+        &self,
+        conn: &mut PgConnection,
+        result: Option<serde_json::Value>,
+    ) -> Result<CompleteOutcome, JobError> {
+        let outcome = self
+            .inner
+            .store
+            .complete_in(conn, &self.fence(), result)
+            .await
+            .map_err(|e| JobError::retry(format!("completion in transaction failed: {e}")))?;
+        if outcome == CompleteOutcome::Completed {
+            *self.inner.completed_in_tx.lock().unwrap() = true;
+        }
+        Ok(outcome)
+    }
+
+    /// Run an effect at most once per effect key (see the module docs).
+    ///
+    /// `request` is what the effect is asked to do; its SHA-256 is bound to the key, so
+    /// the same key with another request is refused (never replayed as if it matched).
+    /// `act` receives the effect key to pass to the external store as its idempotency
+    /// key, and the generation is available as the fencing token.
+    pub async fn once<Req, Out, F, Fut>(
+        &self,
+        step: &str,
+        request: &Req,
+        act: F,
+    ) -> Result<Out, JobError>
+    where
+        Req: Serialize,
+        Out: Serialize + DeserializeOwned,
+        F: FnOnce(EffectKey) -> Fut,
+        Fut: Future<Output = Result<Out, JobError>>,
+    {
+        self.once_reconciled(step, request, |_| async { Ok(None) }, act)
+            .await
+    }
+
+    /// [`JobContext::once`] for stores with neither idempotency keys nor fencing:
+    /// before acting, `lookup` asks the store whether the effect with this key already
+    /// happened; if it did, its outcome is recorded and returned without acting.
+    pub async fn once_reconciled<Req, Out, L, LFut, F, Fut>(
+        &self,
+        step: &str,
+        request: &Req,
+        lookup: L,
+        act: F,
+    ) -> Result<Out, JobError>
+    where
+        Req: Serialize,
+        Out: Serialize + DeserializeOwned,
+        L: FnOnce(EffectKey) -> LFut,
+        LFut: Future<Output = Result<Option<Out>, JobError>>,
+        F: FnOnce(EffectKey) -> Fut,
+        Fut: Future<Output = Result<Out, JobError>>,
+    {
+        let key = self.effect_key(step);
+        let fingerprint = fingerprint(request)?;
+        if let Some(recorded) = self.recorded(&key, &fingerprint).await? {
+            return Ok(recorded);
+        }
+        if self.is_cancelled() {
+            return Err(JobError::retry(format!(
+                "attempt cancelled ({:?}) before effect {key}",
+                self.cancel_reason()
+            )));
+        }
+        let outcome = match lookup(key.clone()).await? {
+            Some(found) => found,
+            None => act(key.clone()).await?,
+        };
+        let value = serde_json::to_value(&outcome)
+            .map_err(|e| JobError::permanent(format!("cannot encode the outcome of {key}: {e}")))?;
+        let recorded = self
+            .inner
+            .store
+            .record_effect(
+                &self.fence(),
+                key.as_str(),
+                &fingerprint,
+                &value,
+                self.inner.effect_keep,
+            )
+            .await
+            .map_err(|e| {
+                JobError::retry(format!(
+                    "effect {key} happened but recording it failed: {e}"
+                ))
+            })?;
+        match recorded {
+            RecordOutcome::Recorded => Ok(outcome),
+            RecordOutcome::AlreadyRecorded(existing) => {
+                check_fingerprint(&key, &existing.fingerprint, &fingerprint)?;
+                decode_outcome(&key, existing.outcome)
+            }
+            RecordOutcome::Stale => Err(JobError::retry(format!(
+                "lost the lease after effect {key}; the next attempt will find it by its key"
+            ))),
+        }
+    }
+
+    async fn recorded<Out: DeserializeOwned>(
+        &self,
+        key: &EffectKey,
+        fingerprint: &str,
+    ) -> Result<Option<Out>, JobError> {
+        let found = self.inner.store.effect(key.as_str()).await.map_err(|e| {
+            JobError::retry(format!("cannot read the effect ledger for {key}: {e}"))
+        })?;
+        match found {
+            None => Ok(None),
+            Some(rec) => {
+                check_fingerprint(key, &rec.fingerprint, fingerprint)?;
+                decode_outcome(key, rec.outcome).map(Some)
+            }
+        }
+    }
+}
+
+/// SHA-256 of the request's JSON, hex.
+pub fn fingerprint<Req: Serialize>(request: &Req) -> Result<String, JobError> {
+    let bytes = serde_json::to_vec(request)
+        .map_err(|e| JobError::permanent(format!("cannot encode effect request: {e}")))?;
+    Ok(Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+fn check_fingerprint(key: &EffectKey, recorded: &str, ours: &str) -> Result<(), JobError> {
+    if recorded != ours {
+        return Err(JobError::permanent(crate::Error::FingerprintMismatch {
+            key: key.to_string(),
+        }));
+    }
+    Ok(())
+}
+
+fn decode_outcome<Out: DeserializeOwned>(
+    key: &EffectKey,
+    value: serde_json::Value,
+) -> Result<Out, JobError> {
+    serde_json::from_value(value)
+        .map_err(|e| JobError::permanent(format!("recorded outcome of {key} does not decode: {e}")))
+}

@@ -1,0 +1,48 @@
+//! The shared state of one running scheduler, handed to its actors and executions.
+
+use std::sync::{Arc, OnceLock};
+
+use dashmap::DashMap;
+use tokio_util::sync::CancellationToken;
+
+use crate::actor::claimer::Claimer;
+use crate::actor::completer::Completer;
+use crate::actor::lease_renewer::LeaseRenewer;
+use crate::actor::sequencer::SequencerHandle;
+use crate::actor::{Metered, Slots};
+use crate::config::Config;
+use crate::context::JobContext;
+use crate::handler::Registry;
+use crate::job::{JobId, OwnerId};
+use crate::metrics::Metrics;
+use crate::store::Store;
+
+pub(crate) struct Env {
+    pub store: Store,
+    pub config: Config,
+    pub owner: OwnerId,
+    pub registry: Registry,
+    /// Kinds this scheduler claims (exactly the registered ones).
+    pub kinds: Vec<String>,
+    pub metrics: Arc<Metrics>,
+    pub slots: Slots,
+    pub renewer: Metered<LeaseRenewer>,
+    pub completer: Metered<Completer>,
+    pub claimer: OnceLock<Metered<Claimer>>,
+    /// Live sequencers by (queue, key).
+    pub sequencers: DashMap<(String, String), SequencerHandle>,
+    /// Attempts running now, for shutdown.
+    pub running: DashMap<JobId, JobContext>,
+    /// Fired when the shutdown grace period ends: running attempts are cancelled and
+    /// their jobs released.
+    pub hard_stop: CancellationToken,
+}
+
+impl Env {
+    /// Tell the claimer that slots were freed or work may be waiting.
+    pub fn wake_claimer(&self) {
+        if let Some(claimer) = self.claimer.get() {
+            let _ = claimer.tell(crate::actor::claimer::Wake);
+        }
+    }
+}

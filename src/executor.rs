@@ -1,0 +1,266 @@
+//! One attempt of one job: run the handler under its lease, then write the ending.
+//!
+//! The handler runs in its own task so a panic is caught and becomes a failed attempt.
+//! The attempt ends with exactly one fenced write: complete (through the completion
+//! batcher), fail (retry or dead), or release (shutdown). A write that fails on a
+//! connection error is retried with backoff while the lease lasts, and otherwise left
+//! to the reaper: it never takes the scheduler down.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::actor::completer::Complete;
+use crate::actor::lease_renewer::{Track, Untrack};
+use crate::context::{CancelReason, JobContext};
+use crate::env::Env;
+use crate::error::Result;
+use crate::handler::AttemptError;
+use crate::job::{ClaimedJob, CompleteOutcome, FailOutcome};
+use crate::store::Failure;
+
+/// How an attempt ended, as far as this scheduler knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ended {
+    Completed,
+    Retrying,
+    Dead,
+    /// The fence was gone: another generation (or an operator) owns the job.
+    Stale,
+    /// Given back at shutdown.
+    Released,
+    /// The ending could not be written (database unreachable); the lease will tell.
+    Unknown,
+}
+
+enum Attempt {
+    Succeeded(serde_json::Value),
+    Failed(Failure),
+    /// Cancelled by shutdown: release without counting the attempt.
+    Interrupted,
+    /// The lease was lost and the handler did not stop: nothing to write.
+    Abandoned,
+}
+
+/// Run one claimed job to its ending.
+pub(crate) async fn execute(env: Arc<Env>, job: ClaimedJob) -> Ended {
+    let ctx = JobContext::new(job.clone(), env.store.clone(), env.config.effect_keep);
+    env.metrics
+        .in_flight
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    env.running.insert(job.id, ctx.clone());
+    let _ = env.renewer.tell(Track {
+        job: job.id,
+        generation: job.generation,
+        ctx: ctx.clone(),
+    });
+    if job.attempt == 1 {
+        if let Ok(waited) = (job.claimed_at - job.created_at).to_std() {
+            env.metrics.record_start(waited);
+        }
+    }
+    let attempt = run_handler(&env, &ctx, &job).await;
+    let ended = write_ending(&env, &ctx, &job, attempt).await;
+
+    let _ = env.renewer.tell(Untrack { job: job.id });
+    env.running.remove(&job.id);
+    env.metrics
+        .in_flight
+        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    ended
+}
+
+async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
+    let Some(handler) = env.registry.get(&job.kind) else {
+        // The claim filters on registered kinds, so this is a registry bug, not bad input.
+        return Attempt::Failed(Failure {
+            reason: format!("no handler for kind {:?}", job.kind),
+            permanent: true,
+        });
+    };
+    let mut task = tokio::spawn(handler.call(ctx.clone(), job.payload.clone()));
+    let token = ctx.token();
+    let deadline = tokio::time::sleep(env.config.max_run_time);
+    tokio::pin!(deadline);
+    let joined = tokio::select! {
+        joined = &mut task => joined,
+        _ = &mut deadline => {
+            ctx.cancel(CancelReason::Timeout);
+            env.metrics.incr(|c| &c.timeouts);
+            // A moment to notice the cancellation and clean up, then stop it.
+            let _ = tokio::time::timeout(Duration::from_millis(100), &mut task).await;
+            task.abort();
+            return Attempt::Failed(Failure {
+                reason: format!("attempt exceeded the maximum run time of {}", humantime::format_duration(env.config.max_run_time)),
+                permanent: false,
+            });
+        }
+        _ = env.hard_stop.cancelled() => {
+            ctx.cancel(CancelReason::Shutdown);
+            let _ = tokio::time::timeout(Duration::from_millis(100), &mut task).await;
+            task.abort();
+            return Attempt::Interrupted;
+        }
+        _ = token.cancelled() => {
+            // Lease lost (or timeout/shutdown raced in): give the handler one renew
+            // interval to stop by itself; its ending is then written and refused.
+            match tokio::time::timeout(env.config.renew_interval, &mut task).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    task.abort();
+                    return Attempt::Abandoned;
+                }
+            }
+        }
+    };
+    match joined {
+        Ok(Ok(value)) => Attempt::Succeeded(value),
+        Ok(Err(AttemptError::Decode(reason))) => {
+            env.metrics.incr(|c| &c.decode_failures);
+            Attempt::Failed(Failure {
+                reason,
+                permanent: true,
+            })
+        }
+        Ok(Err(AttemptError::Job(e))) => Attempt::Failed(Failure {
+            reason: e.message().to_string(),
+            permanent: e.is_permanent(),
+        }),
+        Err(join) if join.is_panic() => {
+            env.metrics.incr(|c| &c.panics);
+            let panic = join.into_panic();
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            Attempt::Failed(Failure {
+                reason: format!("handler panicked: {msg}"),
+                permanent: false,
+            })
+        }
+        Err(_) => Attempt::Failed(Failure {
+            reason: "handler task was cancelled".into(),
+            permanent: false,
+        }),
+    }
+}
+
+async fn write_ending(env: &Env, ctx: &JobContext, job: &ClaimedJob, attempt: Attempt) -> Ended {
+    let fence = job.fence();
+    match attempt {
+        Attempt::Succeeded(value) => {
+            let outcome = if ctx.completed_in_tx() {
+                // The handler completed inside its own transaction; confirm it committed.
+                with_retries(env, job, || env.store.completion_status(&fence)).await
+            } else {
+                let result = if value.is_null() { None } else { Some(value) };
+                with_retries(env, job, || {
+                    complete_via_batcher(env, &fence, result.clone())
+                })
+                .await
+            };
+            match outcome {
+                Some(CompleteOutcome::Completed) => {
+                    env.metrics.incr(|c| &c.completed);
+                    Ended::Completed
+                }
+                Some(CompleteOutcome::AlreadyCompleted { .. }) => {
+                    env.metrics.incr(|c| &c.completed);
+                    if !ctx.completed_in_tx() {
+                        env.metrics.incr(|c| &c.completion_replays);
+                    }
+                    Ended::Completed
+                }
+                Some(CompleteOutcome::Stale) => stale(env, job, "completion"),
+                None => Ended::Unknown,
+            }
+        }
+        Attempt::Failed(failure) => {
+            tracing::warn!(job = %job.id, kind = %job.kind, attempt = job.attempt, reason = %failure.reason, "leasehold attempt failed");
+            let backoff = env.config.retry.backoff;
+            match with_retries(env, job, || env.store.fail(&fence, &failure, &backoff)).await {
+                Some(FailOutcome::Retrying { .. }) => {
+                    env.metrics.incr(|c| &c.failed);
+                    Ended::Retrying
+                }
+                Some(FailOutcome::Dead) => {
+                    env.metrics.incr(|c| &c.dead);
+                    Ended::Dead
+                }
+                Some(FailOutcome::Stale) => stale(env, job, "failure"),
+                None => Ended::Unknown,
+            }
+        }
+        Attempt::Interrupted => {
+            let held = [(job.id, job.generation)];
+            let released = with_retries(env, job, || {
+                env.store
+                    .release_many(&env.owner, &held, "released at shutdown")
+            })
+            .await;
+            match released {
+                Some(ids) if !ids.is_empty() => {
+                    env.metrics.incr(|c| &c.released);
+                    Ended::Released
+                }
+                Some(_) => Ended::Stale,
+                None => Ended::Unknown,
+            }
+        }
+        Attempt::Abandoned => stale(env, job, "abandoned attempt"),
+    }
+}
+
+fn stale(env: &Env, job: &ClaimedJob, what: &str) -> Ended {
+    env.metrics.incr(|c| &c.stale_completions);
+    tracing::warn!(job = %job.id, generation = %job.generation, "leasehold {what} refused: this worker no longer owns the job");
+    Ended::Stale
+}
+
+async fn complete_via_batcher(
+    env: &Env,
+    fence: &crate::job::Fence,
+    result: Option<serde_json::Value>,
+) -> Result<CompleteOutcome> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let msg = Complete {
+        fence: fence.clone(),
+        result: result.clone(),
+        reply: tx,
+    };
+    if env.completer.tell(msg).is_err() {
+        return env.store.complete(fence, result).await;
+    }
+    match rx.await {
+        Ok(reply) => reply,
+        // The batcher went away (shutdown): write it directly.
+        Err(_) => env.store.complete(fence, result).await,
+    }
+}
+
+/// Retry a fenced write on connection errors, with backoff, while the lease may still
+/// hold. `None`: gave up; the reaper will take the job back when its lease passes.
+async fn with_retries<T, F, Fut>(env: &Env, job: &ClaimedJob, mut write: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let give_up = tokio::time::Instant::now() + env.config.lease;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match write().await {
+            Ok(v) => return Some(v),
+            Err(e) => {
+                env.metrics.incr(|c| &c.db_errors);
+                if tokio::time::Instant::now() + pause >= give_up {
+                    tracing::error!(job = %job.id, error = %e, "leasehold could not write the job's ending; leaving it to the lease");
+                    return None;
+                }
+                env.metrics.incr(|c| &c.completion_retries);
+                tracing::warn!(job = %job.id, error = %e, "leasehold ending write failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}

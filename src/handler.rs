@@ -1,0 +1,156 @@
+//! Handlers: one per job kind, with a typed payload.
+//!
+//! A handler returns `Ok(output)` (stored as the job's result) or a [`JobError`]:
+//! retryable by default, or permanent (dead at once). A panic fails the attempt with
+//! the panic message. Payloads are decoded here; one that does not decode is a
+//! permanent failure with a clear reason, never a crash loop.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::context::JobContext;
+
+/// Runs jobs of one kind.
+///
+/// ```ignore
+/// struct SendEmail;
+/// impl Handler for SendEmail {
+///     type Payload = Email;
+///     type Output = ();
+///     const KIND: &'static str = "send_email";
+///     async fn run(&self, ctx: JobContext, email: Email) -> Result<(), JobError> { ... }
+/// }
+/// ```
+pub trait Handler: Send + Sync + 'static {
+    type Payload: DeserializeOwned + Serialize + Send + 'static;
+    type Output: Serialize + Send + 'static;
+    /// The kind name stored with each job. Changing it orphans queued jobs.
+    const KIND: &'static str;
+
+    fn run(
+        &self,
+        ctx: JobContext,
+        payload: Self::Payload,
+    ) -> impl Future<Output = Result<Self::Output, JobError>> + Send;
+}
+
+/// Why an attempt failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobError {
+    message: String,
+    permanent: bool,
+}
+
+impl JobError {
+    /// A failure worth retrying (with backoff, until max attempts).
+    pub fn retry(message: impl fmt::Display) -> Self {
+        JobError {
+            message: message.to_string(),
+            permanent: false,
+        }
+    }
+
+    /// A failure no retry can fix: the job is dead at once.
+    pub fn permanent(message: impl fmt::Display) -> Self {
+        JobError {
+            message: message.to_string(),
+            permanent: true,
+        }
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+}
+
+impl fmt::Display for JobError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Any error converts into a retryable `JobError`, so handlers can use `?`.
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for JobError {
+    fn from(e: E) -> Self {
+        JobError::retry(e)
+    }
+}
+
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// A handler with its payload type erased, so handlers of many kinds share one map.
+pub(crate) trait ErasedHandler: Send + Sync {
+    fn call(
+        &self,
+        ctx: JobContext,
+        payload: serde_json::Value,
+    ) -> BoxFuture<Result<serde_json::Value, AttemptError>>;
+}
+
+/// How an attempt ended when it did not succeed (before the executor adds panics and
+/// timeouts).
+#[derive(Debug)]
+pub(crate) enum AttemptError {
+    Decode(String),
+    Job(JobError),
+}
+
+struct Erased<H>(Arc<H>);
+
+impl<H: Handler> ErasedHandler for Erased<H> {
+    fn call(
+        &self,
+        ctx: JobContext,
+        payload: serde_json::Value,
+    ) -> BoxFuture<Result<serde_json::Value, AttemptError>> {
+        let handler = self.0.clone();
+        Box::pin(async move {
+            let payload: H::Payload = serde_json::from_value(payload).map_err(|e| {
+                AttemptError::Decode(format!("payload does not match kind {:?}: {e}", H::KIND))
+            })?;
+            let output = handler.run(ctx, payload).await.map_err(AttemptError::Job)?;
+            serde_json::to_value(output).map_err(|e| {
+                AttemptError::Job(JobError::permanent(format!(
+                    "cannot encode the result: {e}"
+                )))
+            })
+        })
+    }
+}
+
+/// Kind name → handler.
+#[derive(Clone, Default)]
+pub(crate) struct Registry {
+    handlers: HashMap<String, Arc<dyn ErasedHandler>>,
+}
+
+impl Registry {
+    pub fn insert<H: Handler>(&mut self, handler: H) {
+        self.handlers
+            .insert(H::KIND.to_string(), Arc::new(Erased(Arc::new(handler))));
+    }
+
+    pub fn get(&self, kind: &str) -> Option<Arc<dyn ErasedHandler>> {
+        self.handlers.get(kind).cloned()
+    }
+
+    pub fn contains(&self, kind: &str) -> bool {
+        self.handlers.contains_key(kind)
+    }
+
+    pub fn kinds(&self) -> Vec<String> {
+        let mut k: Vec<String> = self.handlers.keys().cloned().collect();
+        k.sort();
+        k
+    }
+}

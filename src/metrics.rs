@@ -1,0 +1,356 @@
+//! Counters and mailbox gauges, read through [`Metrics::snapshot`].
+//!
+//! actix 0.13 exposes no mailbox length, so leasehold counts: every send through a
+//! [`crate::actor::Metered`] address adds one to the actor kind's `sent`, every handled
+//! message adds one to `handled`; the depth is the difference, and its high-water mark
+//! is kept at send time. A send into a full mailbox is counted as an overflow and still
+//! delivered.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+
+/// Counts for one actor kind (all sequencers share one meter).
+#[derive(Debug, Default)]
+pub struct MailboxMeter {
+    sent: AtomicU64,
+    handled: AtomicU64,
+    high_water: AtomicU64,
+    handling_nanos: AtomicU64,
+    overflows: AtomicU64,
+}
+
+impl MailboxMeter {
+    pub(crate) fn sent(&self) {
+        let sent = self.sent.fetch_add(1, Relaxed) + 1;
+        let depth = sent.saturating_sub(self.handled.load(Relaxed));
+        self.high_water.fetch_max(depth, Relaxed);
+    }
+
+    pub(crate) fn overflowed(&self) {
+        self.overflows.fetch_add(1, Relaxed);
+    }
+
+    /// Call at the start of a handler; the guard records the handling when dropped.
+    pub(crate) fn handling(self: &Arc<Self>) -> HandlingGuard {
+        HandlingGuard {
+            meter: self.clone(),
+            start: Instant::now(),
+        }
+    }
+
+    pub fn depth(&self) -> u64 {
+        self.sent
+            .load(Relaxed)
+            .saturating_sub(self.handled.load(Relaxed))
+    }
+
+    fn snapshot(&self, actor: &str) -> MailboxSnapshot {
+        let handled = self.handled.load(Relaxed);
+        MailboxSnapshot {
+            actor: actor.to_string(),
+            depth: self.depth(),
+            high_water: self.high_water.load(Relaxed),
+            handled,
+            mean_handling: Duration::from_nanos(
+                self.handling_nanos
+                    .load(Relaxed)
+                    .checked_div(handled)
+                    .unwrap_or(0),
+            ),
+            overflows: self.overflows.load(Relaxed),
+        }
+    }
+}
+
+pub(crate) struct HandlingGuard {
+    meter: Arc<MailboxMeter>,
+    start: Instant,
+}
+
+impl Drop for HandlingGuard {
+    fn drop(&mut self) {
+        self.meter
+            .handling_nanos
+            .fetch_add(self.start.elapsed().as_nanos() as u64, Relaxed);
+        self.meter.handled.fetch_add(1, Relaxed);
+    }
+}
+
+/// One actor kind's mailbox figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MailboxSnapshot {
+    pub actor: String,
+    /// Messages sent but not yet handled.
+    pub depth: u64,
+    /// Largest depth seen.
+    pub high_water: u64,
+    pub handled: u64,
+    /// Mean time spent in a handler (not counting futures it spawned).
+    pub mean_handling: Duration,
+    /// Sends that found the mailbox at capacity (delivered anyway).
+    pub overflows: u64,
+}
+
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// The scheduler's own counters (monotonic since start).
+        #[derive(Debug, Default)]
+        pub struct Counters { $($(#[$doc])* pub $name: AtomicU64,)* }
+
+        /// A copy of [`Counters`] at one moment.
+        #[derive(Clone, Debug, Default, PartialEq, Eq)]
+        pub struct CounterSnapshot { $($(#[$doc])* pub $name: u64,)* }
+
+        impl Counters {
+            fn snapshot(&self) -> CounterSnapshot {
+                CounterSnapshot { $($name: self.$name.load(Relaxed),)* }
+            }
+        }
+
+        impl CounterSnapshot {
+            /// (name, value) pairs, for exporters.
+            pub fn pairs(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+        }
+    };
+}
+
+counters! {
+    /// Jobs claimed (by the claimer or a sequencer's fetch-next).
+    claimed,
+    /// Claim statements run.
+    claims,
+    /// Claim statements that returned nothing.
+    empty_claims,
+    /// Attempts that completed the job.
+    completed,
+    /// Attempts that failed and will be retried.
+    failed,
+    /// Attempts that made the job dead.
+    dead,
+    /// Completions (and failures) refused because the worker lost its fence.
+    stale_completions,
+    /// Completions whose reply was lost and found committed on asking again.
+    completion_replays,
+    /// Completion writes retried after a connection error.
+    completion_retries,
+    /// Leases found lost at renewal (cancellation fired).
+    leases_lost,
+    /// Lease renewals that extended a lease.
+    leases_renewed,
+    /// Expired leases this scheduler's reaper took back.
+    reaped,
+    /// Jobs given back at shutdown.
+    released,
+    /// Handler panics.
+    panics,
+    /// Attempts that exceeded the maximum run time.
+    timeouts,
+    /// Payloads that could not be decoded (dead at once).
+    decode_failures,
+    /// NOTIFY wake-ups received.
+    notifications,
+    /// LISTEN connection re-established after a drop.
+    listener_reconnects,
+    /// Database errors seen by actors (each retried or left to the lease).
+    db_errors,
+}
+
+/// Shared metrics of one scheduler.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub counters: Counters,
+    mailboxes: DashMap<&'static str, Arc<MailboxMeter>>,
+    claim_latency: Histogram,
+    start_latency: Histogram,
+    /// Jobs running now in this scheduler.
+    pub(crate) in_flight: AtomicU64,
+    /// Sequencer actors alive now.
+    pub(crate) sequencers: AtomicU64,
+}
+
+impl Metrics {
+    pub(crate) fn meter(&self, actor: &'static str) -> Arc<MailboxMeter> {
+        self.mailboxes.entry(actor).or_default().clone()
+    }
+
+    pub(crate) fn incr(&self, counter: impl Fn(&Counters) -> &AtomicU64) {
+        counter(&self.counters).fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn add(&self, counter: impl Fn(&Counters) -> &AtomicU64, n: u64) {
+        counter(&self.counters).fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn record_claim(&self, took: Duration) {
+        self.claim_latency.record(took);
+    }
+
+    pub(crate) fn record_start(&self, waited: Duration) {
+        self.start_latency.record(waited);
+    }
+
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let mut mailboxes: Vec<MailboxSnapshot> = self
+            .mailboxes
+            .iter()
+            .map(|e| e.value().snapshot(e.key()))
+            .collect();
+        mailboxes.sort_by(|a, b| a.actor.cmp(&b.actor));
+        MetricsSnapshot {
+            counters: self.counters.snapshot(),
+            mailboxes,
+            in_flight: self.in_flight.load(Relaxed),
+            sequencers: self.sequencers.load(Relaxed),
+            claim_latency: self.claim_latency.summary(),
+            enqueue_to_start: self.start_latency.summary(),
+        }
+    }
+}
+
+/// Everything at one moment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetricsSnapshot {
+    pub counters: CounterSnapshot,
+    pub mailboxes: Vec<MailboxSnapshot>,
+    pub in_flight: u64,
+    pub sequencers: u64,
+    /// Time of claim statements.
+    pub claim_latency: LatencySummary,
+    /// Database time from enqueue (or run-at) to claim, first attempts only.
+    pub enqueue_to_start: LatencySummary,
+}
+
+impl MetricsSnapshot {
+    pub fn mailbox(&self, actor: &str) -> Option<&MailboxSnapshot> {
+        self.mailboxes.iter().find(|m| m.actor == actor)
+    }
+}
+
+/// Quantiles from a log-scale histogram (bucket upper bounds, so within 2x).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub p50: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+}
+
+/// Power-of-two microsecond buckets: cheap, lock-free, good enough for p50/p99.
+#[derive(Debug)]
+struct Histogram {
+    buckets: [AtomicU64; 40],
+    max_micros: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            max_micros: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    fn record(&self, d: Duration) {
+        let us = d.as_micros().min(u64::MAX as u128) as u64;
+        let bucket = (64 - us.leading_zeros() as usize).min(39);
+        self.buckets[bucket].fetch_add(1, Relaxed);
+        self.max_micros.fetch_max(us, Relaxed);
+    }
+
+    fn summary(&self) -> LatencySummary {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
+        let count: u64 = counts.iter().sum();
+        let quantile = |q: f64| {
+            let target = ((count as f64) * q).ceil().max(1.0) as u64;
+            let mut seen = 0;
+            for (i, c) in counts.iter().enumerate() {
+                seen += c;
+                if seen >= target {
+                    return Duration::from_micros(if i == 0 { 0 } else { 1u64 << i });
+                }
+            }
+            Duration::ZERO
+        };
+        let max = Duration::from_micros(self.max_micros.load(Relaxed));
+        if count == 0 {
+            return LatencySummary::default();
+        }
+        LatencySummary {
+            count,
+            p50: quantile(0.5).min(max),
+            p99: quantile(0.99).min(max),
+            max,
+        }
+    }
+}
+
+/// Counters keyed by name, for exporters that want a flat map.
+pub fn flatten(snapshot: &MetricsSnapshot) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for (name, value) in snapshot.counters.pairs() {
+        out.insert(format!("leasehold_{name}"), value);
+    }
+    for m in &snapshot.mailboxes {
+        out.insert(
+            format!("leasehold_mailbox_depth{{actor=\"{}\"}}", m.actor),
+            m.depth,
+        );
+        out.insert(
+            format!("leasehold_mailbox_high_water{{actor=\"{}\"}}", m.actor),
+            m.high_water,
+        );
+        out.insert(
+            format!("leasehold_mailbox_handled{{actor=\"{}\"}}", m.actor),
+            m.handled,
+        );
+        out.insert(
+            format!("leasehold_mailbox_overflows{{actor=\"{}\"}}", m.actor),
+            m.overflows,
+        );
+    }
+    out.insert("leasehold_in_flight".into(), snapshot.in_flight);
+    out.insert("leasehold_sequencers".into(), snapshot.sequencers);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mailbox_depth_is_sent_minus_handled_and_high_water_sticks() {
+        let m = Arc::new(MailboxMeter::default());
+        m.sent();
+        m.sent();
+        m.sent();
+        drop(m.handling());
+        assert_eq!(m.depth(), 2);
+        drop(m.handling());
+        drop(m.handling());
+        let s = m.snapshot("x");
+        assert_eq!((s.depth, s.high_water, s.handled), (0, 3, 3));
+    }
+
+    #[test]
+    fn histogram_quantiles_are_within_a_factor_of_two() {
+        let h = Histogram::default();
+        for ms in 1..=100 {
+            h.record(Duration::from_millis(ms));
+        }
+        let s = h.summary();
+        assert_eq!(s.count, 100);
+        assert!(
+            s.p50 >= Duration::from_millis(25) && s.p50 <= Duration::from_millis(100),
+            "{s:?}"
+        );
+        assert_eq!(s.max, Duration::from_millis(100));
+    }
+}

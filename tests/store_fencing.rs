@@ -1,0 +1,336 @@
+//! Fencing: a worker whose generation is no longer the row's cannot complete, fail,
+//! renew or record an effect — even while the row is `running` again under a newer
+//! generation, and even when the newer generation belongs to the same owner (so it is
+//! the generation check that refuses, not the state or owner check).
+
+mod common;
+
+use common::*;
+use leasehold::store::RecordOutcome;
+use leasehold::{
+    ClaimedJob, CompleteOutcome, FailOutcome, Failure, Generation, JobId, JobState, OwnerId,
+};
+use sqlx::Connection;
+
+/// Claim and release the job until its generation is `generation`: releases do not
+/// count attempts, so the job still has all of them.
+async fn advance_generation_to(db: &TestDb, id: JobId, generation: i64) {
+    let warm = owner("warmup");
+    for g in 1..=generation {
+        let got = db.store.claim(&claim_req(&warm, 1)).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].id, got[0].generation), (id, Generation(g)));
+        let released = db
+            .store
+            .release_many(&warm, &[(id, got[0].generation)], "warm-up")
+            .await
+            .unwrap();
+        assert_eq!(released, vec![id]);
+    }
+    let rec = db.store.job(id).await.unwrap();
+    assert_eq!(
+        (rec.state, rec.generation, rec.attempts),
+        (JobState::Pending, Generation(generation), 0)
+    );
+}
+
+/// A's lease passes and `next_owner` claims the next generation.
+async fn expire_and_reclaim(db: &TestDb, a_job: &ClaimedJob, next_owner: &OwnerId) -> ClaimedJob {
+    let at = secs_after(a_job.lease_until, 1);
+    let report = db
+        .store
+        .reap(&owner("reaper"), &fixed_backoff(1), 10, Some(at))
+        .await
+        .unwrap();
+    assert_eq!(report.retried, vec![a_job.id]);
+    let got = db
+        .store
+        .claim(&claim_at(next_owner, 1, secs_after(at, 2)))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 1);
+    got.into_iter().next().unwrap()
+}
+
+/// A handler whose business write lives in the same database: it applies the effect and
+/// completes in one transaction, so a refused completion rolls the effect back.
+async fn run_in_one_transaction(
+    db: &TestDb,
+    j: &ClaimedJob,
+    result: serde_json::Value,
+) -> CompleteOutcome {
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    db.apply_effect_in(&mut tx, &format!("{}/write", j.id), j.id, j.generation)
+        .await;
+    let outcome = db
+        .store
+        .complete_in(&mut tx, &j.fence(), Some(result))
+        .await
+        .unwrap();
+    if outcome == CompleteOutcome::Completed {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+    outcome
+}
+
+async fn assert_running_under(db: &TestDb, id: JobId, generation: i64, who: &OwnerId) {
+    let rec = db.store.job(id).await.unwrap();
+    assert_eq!(rec.state, JobState::Running);
+    assert_eq!(rec.generation, Generation(generation));
+    assert_eq!(rec.owner.as_deref(), Some(who.as_str()));
+    assert_eq!(rec.result, None);
+    assert!(rec.lease_until.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
+    bounded(async {
+        let db = TestDb::new("fencing_late_completion").await;
+        db.create_effects_table().await;
+        let id = db.store.enqueue(job("k")).await.unwrap();
+        advance_generation_to(&db, id, 6).await;
+
+        let a = owner("a");
+        let a_job = db.store.claim(&claim_req(&a, 1)).await.unwrap().remove(0);
+        assert_eq!(a_job.generation, Generation(7));
+
+        // A stalls; its lease passes; B claims generation 8.
+        let b = owner("b");
+        let b_job = expire_and_reclaim(&db, &a_job, &b).await;
+        assert_eq!(b_job.generation, Generation(8));
+
+        // Every write A still tries is refused, and the row stays B's.
+        assert_eq!(
+            run_in_one_transaction(&db, &a_job, serde_json::json!("from A")).await,
+            CompleteOutcome::Stale
+        );
+        assert_eq!(
+            db.store.complete(&a_job.fence(), None).await.unwrap(),
+            CompleteOutcome::Stale
+        );
+        assert_eq!(
+            db.store.completion_status(&a_job.fence()).await.unwrap(),
+            CompleteOutcome::Stale
+        );
+        let renew = db
+            .store
+            .renew(&a, &[(id, a_job.generation)], LEASE)
+            .await
+            .unwrap();
+        assert_eq!(renew.lost, vec![id]);
+        assert!(renew.renewed.is_empty());
+        let fail = db
+            .store
+            .fail(
+                &a_job.fence(),
+                &Failure {
+                    reason: "A gives up".into(),
+                    permanent: true,
+                },
+                &fixed_backoff(1),
+            )
+            .await
+            .unwrap();
+        assert_eq!(fail, FailOutcome::Stale);
+        let rec = db
+            .store
+            .record_effect(
+                &a_job.fence(),
+                &format!("{id}/charge"),
+                "fp",
+                &serde_json::json!(1),
+                LEASE,
+            )
+            .await
+            .unwrap();
+        assert_eq!(rec, RecordOutcome::Stale);
+        assert!(db
+            .store
+            .release_many(&a, &[(id, a_job.generation)], "A")
+            .await
+            .unwrap()
+            .is_empty());
+        assert_running_under(&db, id, 8, &b).await;
+        assert_eq!(
+            db.effect_count(None).await,
+            0,
+            "A's business write rolled back with its refused completion"
+        );
+
+        // B's completion applies.
+        assert_eq!(
+            run_in_one_transaction(&db, &b_job, serde_json::json!("from B")).await,
+            CompleteOutcome::Completed
+        );
+        let rec = db.store.job(id).await.unwrap();
+        assert_eq!(rec.state, JobState::Done);
+        assert_eq!(rec.generation, Generation(8));
+        assert_eq!(rec.result, Some(serde_json::json!("from B")));
+        // ... and A still cannot touch the finished job.
+        assert_eq!(
+            db.store
+                .complete(&a_job.fence(), Some(serde_json::json!("late")))
+                .await
+                .unwrap(),
+            CompleteOutcome::Stale
+        );
+        assert_eq!(
+            db.store.job(id).await.unwrap().result,
+            Some(serde_json::json!("from B"))
+        );
+        assert_eq!(db.effect_generations(&format!("{id}/write")).await, vec![8]);
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
+    bounded(async {
+        // One process: its handler for generation 7 stalls, the lease passes, and the
+        // same process (same owner id) claims generation 8. Owner and state match the
+        // row; only the generation tells the two attempts apart.
+        let db = TestDb::new("fencing_same_owner").await;
+        db.create_effects_table().await;
+        let id = db.store.enqueue(job("k")).await.unwrap();
+        advance_generation_to(&db, id, 6).await;
+        let me = owner("proc");
+        let old = db.store.claim(&claim_req(&me, 1)).await.unwrap().remove(0);
+        assert_eq!(old.generation, Generation(7));
+        let new = expire_and_reclaim(&db, &old, &me).await;
+        assert_eq!(new.generation, Generation(8));
+
+        assert_eq!(
+            run_in_one_transaction(&db, &old, serde_json::json!("old")).await,
+            CompleteOutcome::Stale
+        );
+        assert_eq!(
+            db.store
+                .complete(&old.fence(), Some(serde_json::json!("old")))
+                .await
+                .unwrap(),
+            CompleteOutcome::Stale
+        );
+        let outcomes = db
+            .store
+            .complete_many(&me, &[(id, old.generation, Some(serde_json::json!("old")))])
+            .await
+            .unwrap();
+        assert_eq!(outcomes, vec![CompleteOutcome::Stale]);
+        let fail = db
+            .store
+            .fail(
+                &old.fence(),
+                &Failure {
+                    reason: "old".into(),
+                    permanent: true,
+                },
+                &fixed_backoff(1),
+            )
+            .await
+            .unwrap();
+        assert_eq!(fail, FailOutcome::Stale);
+        assert_eq!(
+            db.store
+                .renew(&me, &[(id, old.generation)], LEASE)
+                .await
+                .unwrap()
+                .lost,
+            vec![id]
+        );
+        assert_eq!(
+            db.store
+                .record_effect(
+                    &old.fence(),
+                    &format!("{id}/charge"),
+                    "fp",
+                    &serde_json::json!(1),
+                    LEASE
+                )
+                .await
+                .unwrap(),
+            RecordOutcome::Stale
+        );
+        assert!(db
+            .store
+            .release_many(&me, &[(id, old.generation)], "old")
+            .await
+            .unwrap()
+            .is_empty());
+        assert_running_under(&db, id, 8, &me).await;
+        assert_eq!(db.effect_count(None).await, 0);
+
+        assert_eq!(
+            run_in_one_transaction(&db, &new, serde_json::json!("new")).await,
+            CompleteOutcome::Completed
+        );
+        let rec = db.store.job(id).await.unwrap();
+        assert_eq!((rec.state, rec.generation), (JobState::Done, Generation(8)));
+        assert_eq!(rec.result, Some(serde_json::json!("new")));
+        // The old generation asking again is not told it completed.
+        assert_eq!(
+            db.store.completion_status(&old.fence()).await.unwrap(),
+            CompleteOutcome::Stale
+        );
+        assert_eq!(db.effect_generations(&format!("{id}/write")).await, vec![8]);
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_completion_applies_only_current_generations() {
+    bounded(async {
+        let db = TestDb::new("fencing_complete_many").await;
+        db.create_effects_table().await;
+        let ids = db
+            .store
+            .enqueue_many(vec![job("k"), job("k")])
+            .await
+            .unwrap();
+        let me = owner("proc");
+        let jobs = db.store.claim(&claim_req(&me, 2)).await.unwrap();
+        assert_eq!(jobs.len(), 2);
+        // The first job's lease is lost and re-claimed by the same owner; the batch
+        // still carries the old generation for it.
+        let at = secs_after(jobs[0].lease_until, 1);
+        let rep = db
+            .store
+            .reap(&owner("r"), &fixed_backoff(1), 10, Some(at))
+            .await
+            .unwrap();
+        assert_eq!(rep.retried.len(), 2);
+        let again = db
+            .store
+            .claim(&claim_at(&me, 2, secs_after(at, 2)))
+            .await
+            .unwrap();
+        assert_eq!(again.len(), 2);
+        let fresh = again.iter().find(|j| j.id == ids[1]).unwrap();
+        let outcomes = db
+            .store
+            .complete_many(
+                &me,
+                &[
+                    (ids[0], Generation(1), None),
+                    (ids[1], fresh.generation, Some(serde_json::json!(2))),
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            outcomes,
+            vec![CompleteOutcome::Stale, CompleteOutcome::Completed]
+        );
+        db.apply_effect(&format!("{}/run", ids[1]), ids[1], fresh.generation)
+            .await;
+        assert_eq!(db.state_of(ids[0]).await, "running");
+        assert_eq!(db.state_of(ids[1]).await, "done");
+        assert_eq!(db.effect_count(None).await, 1);
+        db.drop().await;
+    })
+    .await
+}
