@@ -41,12 +41,26 @@ enum Attempt {
     Abandoned,
 }
 
-/// Run one claimed job to its ending.
+/// Count jobs this scheduler holds (claimed and not yet ended, running or queued in a
+/// sequencer). Called synchronously when a claim returns, so shutdown never sees a
+/// momentary zero between a job's claim and its start.
+pub(crate) fn hold(env: &Env, n: usize) {
+    env.metrics.in_flight.fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Ends a hold when the execution ends (or is dropped).
+struct HeldJob<'a>(&'a Env);
+
+impl Drop for HeldJob<'_> {
+    fn drop(&mut self) {
+        self.0.metrics.in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Run one claimed (and [`hold`]-counted) job to its ending.
 pub(crate) async fn execute(env: Arc<Env>, job: ClaimedJob) -> Ended {
+    let _held = HeldJob(&env);
     let ctx = JobContext::new(job.clone(), env.store.clone(), env.config.effect_keep);
-    env.metrics
-        .in_flight
-        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     env.running.insert(job.id, ctx.clone());
     let _ = env.renewer.tell(Track {
         job: job.id,
@@ -63,9 +77,6 @@ pub(crate) async fn execute(env: Arc<Env>, job: ClaimedJob) -> Ended {
 
     let _ = env.renewer.tell(Untrack { job: job.id });
     env.running.remove(&job.id);
-    env.metrics
-        .in_flight
-        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     ended
 }
 
@@ -82,7 +93,9 @@ async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
     let deadline = tokio::time::sleep(env.config.max_run_time);
     tokio::pin!(deadline);
     let joined = tokio::select! {
+        biased;
         joined = &mut task => joined,
+        _ = env.hard_stop.cancelled() => return interrupted(ctx, task).await,
         _ = &mut deadline => {
             ctx.cancel(CancelReason::Timeout);
             env.metrics.incr(|c| &c.timeouts);
@@ -90,19 +103,19 @@ async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
             let _ = tokio::time::timeout(Duration::from_millis(100), &mut task).await;
             task.abort();
             return Attempt::Failed(Failure {
-                reason: format!("attempt exceeded the maximum run time of {}", humantime::format_duration(env.config.max_run_time)),
+                reason: format!(
+                    "attempt exceeded the maximum run time of {}",
+                    humantime::format_duration(env.config.max_run_time)
+                ),
                 permanent: false,
             });
         }
-        _ = env.hard_stop.cancelled() => {
-            ctx.cancel(CancelReason::Shutdown);
-            let _ = tokio::time::timeout(Duration::from_millis(100), &mut task).await;
-            task.abort();
-            return Attempt::Interrupted;
-        }
         _ = token.cancelled() => {
-            // Lease lost (or timeout/shutdown raced in): give the handler one renew
-            // interval to stop by itself; its ending is then written and refused.
+            if ctx.cancel_reason() == Some(CancelReason::Shutdown) {
+                return interrupted(ctx, task).await;
+            }
+            // Lease lost: give the handler one renew interval to stop by itself; its
+            // ending is then written, and refused by the fence.
             match tokio::time::timeout(env.config.renew_interval, &mut task).await {
                 Ok(joined) => joined,
                 Err(_) => {
@@ -142,6 +155,22 @@ async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
             reason: "handler task was cancelled".into(),
             permanent: false,
         }),
+    }
+}
+
+/// Shutdown after the grace period: a handler that finishes within a moment keeps its
+/// result; otherwise it is stopped and the job released (the attempt not counted).
+async fn interrupted(
+    ctx: &JobContext,
+    mut task: tokio::task::JoinHandle<std::result::Result<serde_json::Value, AttemptError>>,
+) -> Attempt {
+    ctx.cancel(CancelReason::Shutdown);
+    match tokio::time::timeout(Duration::from_millis(100), &mut task).await {
+        Ok(Ok(Ok(value))) => Attempt::Succeeded(value),
+        _ => {
+            task.abort();
+            Attempt::Interrupted
+        }
     }
 }
 

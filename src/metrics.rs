@@ -168,7 +168,7 @@ pub struct Metrics {
     mailboxes: DashMap<&'static str, Arc<MailboxMeter>>,
     claim_latency: Histogram,
     start_latency: Histogram,
-    /// Jobs running now in this scheduler.
+    /// Jobs this scheduler holds now: running, or claimed and queued for their key.
     pub(crate) in_flight: AtomicU64,
     /// Sequencer actors alive now.
     pub(crate) sequencers: AtomicU64,

@@ -24,7 +24,7 @@ use actix::prelude::*;
 
 use super::sequencer::{RunJob, SequencerHandle};
 use crate::env::Env;
-use crate::executor::execute;
+use crate::executor::{execute, hold};
 use crate::job::ClaimedJob;
 use crate::metrics::MailboxMeter;
 use crate::store::ClaimRequest;
@@ -113,6 +113,7 @@ impl Claimer {
                         let got = jobs.len();
                         env.slots.give_back(want - got);
                         env.metrics.add(|c| &c.claimed, got as u64);
+                    hold(&env, got);
                         for job in jobs {
                             act.dispatch(job);
                         }

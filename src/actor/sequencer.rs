@@ -23,7 +23,7 @@ use actix::prelude::*;
 
 use super::Metered;
 use crate::env::Env;
-use crate::executor::{execute, Ended};
+use crate::executor::{execute, hold, Ended};
 use crate::job::ClaimedJob;
 use crate::metrics::MailboxMeter;
 
@@ -148,6 +148,7 @@ impl Sequencer {
                 match res {
                     Ok(Some(job)) => {
                         act.env.metrics.incr(|c| &c.claimed);
+                        hold(&act.env, 1);
                         act.env.slots.hold_bytes(job.payload_bytes);
                         // It takes over our slot; anything delivered meanwhile waits behind.
                         act.run(job, ctx);
