@@ -5,13 +5,13 @@
 mod common;
 
 use common::*;
-use leasehold::{CompleteOutcome, Generation, JobId};
+use leasehold::{CompleteOutcome, Generation, JobId, StoreOptions};
 use sqlx::Connection;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_skips_a_row_locked_by_another_worker_without_blocking() {
     bounded(async {
-        let db = TestDb::new("claim_skips_locked").await;
+        let db = TestDb::with_options("claim_skips_locked", StoreOptions::default(), 3).await;
         db.create_effects_table().await;
         let ids = db
             .store
@@ -84,7 +84,7 @@ async fn claim_skips_a_row_locked_by_another_worker_without_blocking() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_claims_never_hand_out_one_job_twice() {
     bounded(async {
-        let db = TestDb::new("claim_no_dupes").await;
+        let db = TestDb::with_options("claim_no_dupes", StoreOptions::default(), 2).await;
         db.create_effects_table().await;
         let n = 200;
         let ids = db
@@ -147,7 +147,7 @@ async fn concurrent_claims_never_hand_out_one_job_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_killed_before_commit_leaves_job_pending_for_another_worker() {
     bounded(async {
-        let db = TestDb::new("claim_killed_uncommitted").await;
+        let db = TestDb::with_options("claim_killed_uncommitted", StoreOptions::default(), 3).await;
         db.create_effects_table().await;
         let id = db.store.enqueue(job("k")).await.unwrap();
 

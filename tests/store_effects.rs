@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use leasehold::store::RecordOutcome;
-use leasehold::{ClaimedJob, CompleteOutcome, Generation, JobState, Store};
+use leasehold::{ClaimedJob, CompleteOutcome, Generation, JobState, Store, StoreOptions};
 
 const KEEP: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
 
@@ -34,7 +34,7 @@ async fn charge(db: &TestDb, store: &Store, j: &ClaimedJob) -> Option<serde_json
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effect_done_but_completion_lost_is_not_repeated_by_the_retry() {
     bounded(async {
-        let db = TestDb::new("effects_completion_lost").await;
+        let db = TestDb::with_options("effects_completion_lost", StoreOptions::default(), 3).await;
         db.create_effects_table().await;
         let id = db.store.enqueue(job("charge")).await.unwrap();
         let key = format!("{id}/charge");

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use leasehold::{ClaimedJob, CompleteOutcome, JobId, JobState, OwnerId};
+use leasehold::{ClaimedJob, CompleteOutcome, JobId, JobState, OwnerId, StoreOptions};
 use sqlx::Connection;
 
 /// Run the key to the end one job at a time and return the order the jobs ran in,
@@ -42,7 +42,7 @@ fn ids(jobs: &[ClaimedJob]) -> Vec<JobId> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueues_of_one_key_run_in_commit_order_not_start_order() {
     bounded(async {
-        let db = TestDb::new("key_commit_order").await;
+        let db = TestDb::with_options("key_commit_order", StoreOptions::default(), 2).await;
         db.create_effects_table().await;
         let mut c1 = db.raw_conn("tx1").await;
         let mut c2 = db.raw_conn("tx2").await;
@@ -99,7 +99,7 @@ async fn enqueues_of_one_key_run_in_commit_order_not_start_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_enqueue_of_a_key_waits_for_the_first_to_commit() {
     bounded(async {
-        let db = TestDb::new("key_enqueue_blocks").await;
+        let db = TestDb::with_options("key_enqueue_blocks", StoreOptions::default(), 2).await;
         db.create_effects_table().await;
         let mut c1 = db.raw_conn("tx1").await;
         let mut tx1 = c1.begin().await.unwrap();
@@ -299,7 +299,7 @@ async fn successor_enqueued_while_the_head_completes_is_not_stranded() {
         // The completion takes the key row lock while a concurrent enqueue of the key
         // holds it: once the enqueue commits, the completion must see the new waiting
         // job and promote it (a stale snapshot would leave it waiting forever).
-        let db = TestDb::new("key_promotion_race").await;
+        let db = TestDb::with_options("key_promotion_race", StoreOptions::default(), 3).await;
         db.create_effects_table().await;
         let head = db.store.enqueue(keyed("k", "acct", 1)).await.unwrap();
         let w = owner("w");

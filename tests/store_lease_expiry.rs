@@ -7,12 +7,12 @@ mod common;
 
 use chrono::{DateTime, Utc};
 use common::*;
-use leasehold::{CompleteOutcome, Generation, JobState};
+use leasehold::{CompleteOutcome, Generation, JobState, StoreOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_generation() {
     bounded(async {
-        let db = TestDb::new("lease_killed_after_claim").await;
+        let db = TestDb::with_options("lease_killed_after_claim", StoreOptions::default(), 3).await;
         db.create_effects_table().await;
         let id = db.store.enqueue(job("k")).await.unwrap();
 

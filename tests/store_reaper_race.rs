@@ -117,7 +117,7 @@ async fn concurrent_reaps_and_completions_never_move_a_completed_job_back() {
                 let mut reaped = Vec::new();
                 loop {
                     let report = store
-                        .reap(&me, &fixed_backoff(3600), 7, Some(far_future()))
+                        .reap(&me, &fixed_backoff(3600), 2, Some(far_future()))
                         .await
                         .unwrap();
                     let empty = report.is_empty();

@@ -2,7 +2,11 @@
 //! history, and the retention policy.
 //!
 //! Each action is one short transaction that locks the key row (if any) before the job
-//! row, the same order the promotion uses, so an action and a promotion cannot deadlock.
+//! row, the order the promotion uses, so an action and a promotion cannot deadlock.
+//! A worker's completion locks the other way round (its job row, then the key row), so
+//! cancelling a running head at the very moment it completes can deadlock; PostgreSQL
+//! then aborts one side (40P01), the executor retries its write, and the operator's
+//! cancel returns the error to retry. Nothing is left half-done either way.
 
 use std::time::Duration;
 
@@ -140,7 +144,7 @@ impl Store {
             .execute(&mut *conn)
             .await?;
         if to == JobState::Pending {
-            sqlx::query("SELECT pg_notify($1, $2)")
+            sqlx::query("SELECT pg_notify($1, left($2, 1000))")
                 .bind(self.schema().channel())
                 .bind(&job.queue)
                 .execute(&mut *conn)
@@ -157,6 +161,10 @@ impl Store {
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if job.state != JobState::Pending {
+            // Roll back now, not on drop: a dropped transaction is rolled back only once
+            // the pool takes the connection back, and until then the job and key rows
+            // stay locked (a claim right after this refusal would skip the job).
+            tx.rollback().await?;
             return Err(Error::InvalidTransition {
                 id,
                 state: job.state,
@@ -175,6 +183,7 @@ impl Store {
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if job.state != JobState::Held {
+            tx.rollback().await?;
             return Err(Error::InvalidTransition {
                 id,
                 state: job.state,
@@ -201,6 +210,7 @@ impl Store {
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if matches!(job.state, JobState::Done | JobState::Cancelled) {
+            tx.rollback().await?;
             return Err(Error::InvalidTransition {
                 id,
                 state: job.state,
@@ -236,6 +246,7 @@ impl Store {
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if job.state != JobState::Dead {
+            tx.rollback().await?;
             return Err(Error::InvalidTransition {
                 id,
                 state: job.state,

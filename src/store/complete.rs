@@ -78,7 +78,7 @@ WITH c AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
     SELECT id, generation, 'released', $3, now(), $4 FROM u
 )
-SELECT id, (SELECT count(pg_notify($5, q.queue)) FROM (SELECT DISTINCT queue FROM u) q) AS notified
+SELECT id, (SELECT count(pg_notify($5, left(q.queue, 1000))) FROM (SELECT DISTINCT queue FROM u) q) AS notified
 FROM u"#;
 
 /// Why an attempt failed, for [`Store::fail`].

@@ -42,7 +42,7 @@ WITH nxt AS (
     INSERT INTO {s}.job_events (job_id, generation, event, at)
     SELECT id, generation, 'promoted', now() FROM u WHERE $3
 )
-SELECT id, (SELECT count(pg_notify($4, q.queue)) FROM (SELECT DISTINCT queue FROM u) q) AS notified
+SELECT id, (SELECT count(pg_notify($4, left(q.queue, 1000))) FROM (SELECT DISTINCT queue FROM u) q) AS notified
 FROM u"#;
 
 /// A (queue, key) pair.

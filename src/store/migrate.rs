@@ -31,6 +31,10 @@ pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
     sqlx::query(&schema.render("CREATE SCHEMA IF NOT EXISTS {s}"))
         .execute(&mut *tx)
         .await?;
+    let fresh: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
+        .bind(schema.render("{s}.leasehold_migrations"))
+        .fetch_one(&mut *tx)
+        .await?;
     sqlx::query(&schema.render(
         "CREATE TABLE IF NOT EXISTS {s}.leasehold_migrations (
              version     integer PRIMARY KEY,
@@ -39,6 +43,19 @@ pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
     ))
     .execute(&mut *tx)
     .await?;
+    if fresh {
+        // Every column of the schema is documented, this table's too.
+        sqlx::Executor::execute(
+            &mut *tx,
+            sqlx::raw_sql(&schema.render(
+                "COMMENT ON TABLE {s}.leasehold_migrations IS 'Schema versions applied by leasehold (its own table; the host''s _sqlx_migrations is never used).';
+                 COMMENT ON COLUMN {s}.leasehold_migrations.version IS 'Migration version, applied in ascending order, each once.';
+                 COMMENT ON COLUMN {s}.leasehold_migrations.description IS 'What the migration created or changed.';
+                 COMMENT ON COLUMN {s}.leasehold_migrations.applied_at IS 'Database time the migration was applied.';",
+            )),
+        )
+        .await?;
+    }
     let applied: Vec<i32> =
         sqlx::query_scalar(&schema.render("SELECT version FROM {s}.leasehold_migrations"))
             .fetch_all(&mut *tx)
@@ -48,8 +65,9 @@ pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
             continue;
         }
         let sql = template.replace("__SCHEMA__", schema.quoted());
-        sqlx::raw_sql(&sql)
-            .execute(&mut *tx)
+        // Through the trait: `raw_sql(..).execute(&mut *tx)` makes this future !Send
+        // (a rustc higher-ranked lifetime limitation), and callers spawn `migrate()`.
+        sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&sql))
             .await
             .map_err(|source| Error::Migration { version, source })?;
         sqlx::query(

@@ -51,7 +51,7 @@ WITH x AS (
     FROM u
 )
 SELECT id, state, queue, job_key, dead_blocks_key,
-       (SELECT count(pg_notify($7, q.queue)) FROM (SELECT DISTINCT queue FROM u WHERE state = 'pending') q) AS notified
+       (SELECT count(pg_notify($7, left(q.queue, 1000))) FROM (SELECT DISTINCT queue FROM u WHERE state = 'pending') q) AS notified
 FROM u"#;
 
 /// What one reap pass did.

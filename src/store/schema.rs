@@ -45,7 +45,10 @@ impl Schema {
         template.replace("{s}", &self.quoted)
     }
 
-    /// The LISTEN/NOTIFY channel of this schema.
+    /// The LISTEN/NOTIFY channel of this schema. The payload is the queue name cut to
+    /// 1000 characters (`left(queue, 1000)` in every NOTIFY): PostgreSQL refuses payloads
+    /// of 8000 bytes or more, and a wake-up is only a hint, so a long queue name must
+    /// not make its enqueue fail.
     pub fn channel(&self) -> String {
         format!("leasehold_{}", self.name)
     }

@@ -63,6 +63,13 @@ impl TestDb {
     }
 
     pub async fn with_options(test: &str, options: StoreOptions, pool_size: u32) -> TestDb {
+        let db = Self::unmigrated(test, options, pool_size).await;
+        db.store.migrate().await.unwrap();
+        db
+    }
+
+    /// Like [`TestDb::with_options`] but the schema does not exist yet (migration tests).
+    pub async fn unmigrated(test: &str, options: StoreOptions, pool_size: u32) -> TestDb {
         ensure_database().await;
         let nonce: u32 = rand::random();
         let schema = format!(
@@ -77,7 +84,6 @@ impl TestDb {
         let app_name = format!("lh-{schema}");
         let pool = pool_for(&app_name, pool_size).await;
         let store = Store::new(pool.clone(), &schema, options).unwrap();
-        store.migrate().await.unwrap();
         TestDb {
             schema,
             pool,
