@@ -176,6 +176,21 @@ async fn interrupted(
 
 async fn write_ending(env: &Env, ctx: &JobContext, job: &ClaimedJob, attempt: Attempt) -> Ended {
     let fence = job.fence();
+    // The handler completed inside its own transaction but that transaction did not
+    // commit (it returned Ok regardless): the business write is gone, so the attempt
+    // must not count as done. Fail it; the fence decides whether it is still ours.
+    let attempt = match attempt {
+        Attempt::Succeeded(v) if ctx.completed_in_tx() => {
+            match with_retries(env, job, || env.store.completion_status(&fence)).await {
+                Some(CompleteOutcome::Stale) => Attempt::Failed(Failure {
+                    reason: "the handler's transaction that completed the job did not commit".into(),
+                    permanent: false,
+                }),
+                _ => Attempt::Succeeded(v),
+            }
+        }
+        other => other,
+    };
     match attempt {
         Attempt::Succeeded(value) => {
             let outcome = if ctx.completed_in_tx() {
