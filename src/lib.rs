@@ -11,6 +11,7 @@ pub mod job;
 pub mod metrics;
 pub mod scheduler;
 pub mod store;
+pub mod testkit;
 
 pub use config::{Config, RetryPolicy};
 pub use context::{CancelReason, EffectKey, JobContext};
