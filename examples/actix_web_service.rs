@@ -1,0 +1,568 @@
+//! An actix-web service that takes orders: the order row and its fulfilment job are
+//! written in one transaction, so the job exists exactly when the order does.
+//!
+//!     cargo run --example actix_web_service            # serve on 127.0.0.1:$PORT (8080)
+//!     cargo run --example actix_web_service -- --demo  # send itself a few requests, stop
+//!
+//! Endpoints:
+//! - `POST /orders` `{"customer": "alice", "item": "book", "qty": 1}`: inserts the order
+//!   and enqueues its `fulfil_order` job (keyed by customer, so a customer's orders are
+//!   fulfilled in order) in ONE transaction. An order over the quantity limit is refused
+//!   after both writes, and the rollback takes the job with it.
+//! - `GET /orders/{id}`: the order and the state of its job.
+//! - `GET /metrics`: the scheduler's metrics snapshot, one `name value` line each.
+//!
+//! The handler fulfils the order and completes its job in the same transaction
+//! (`JobContext::complete_in`), fenced: a worker that lost its lease changes nothing.
+//!
+//! Two pools: actix-web runs each worker thread on its own runtime, and a sqlx
+//! connection belongs to the runtime that opened it. The web workers get their own
+//! pool (and a `Store` over it for reads); the scheduler's pool stays on the main
+//! runtime, so stopping the web workers never leaves it with dead connections.
+//!
+//! Ctrl-C (or SIGTERM) stops the HTTP server first (in-flight requests finish), then the
+//! scheduler (running jobs get their grace period, the rest are released). `--demo` binds
+//! an ephemeral port unless `PORT` is set, works in schemas of its own, and drops them
+//! at the end; it exits non-zero if what it sees is wrong.
+//!
+//! Needs a local PostgreSQL (DATABASE_URL, or PGHOST/PGPORT/PGUSER; default
+//! postgres://root@127.0.0.1:5432/postgres). It creates the database `leasehold_demo`.
+
+use std::error::Error;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::{web, App, HttpResponse, HttpServer};
+use leasehold::{
+    CompleteOutcome, Config, Handler, JobContext, JobError, JobId, NewJob, Scheduler, Store,
+    StoreOptions,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Orders above this quantity are refused (after the writes, to show the rollback).
+const MAX_QTY: i32 = 100;
+
+// ---------------------------------------------------------------------------------
+// The job.
+// ---------------------------------------------------------------------------------
+
+#[derive(Serialize, Deserialize)]
+struct Fulfil {
+    order_id: i64,
+}
+
+/// Marks the order fulfilled and completes the job in the same transaction.
+struct FulfilOrder {
+    pool: PgPool,
+    orders: String,
+}
+
+impl Handler for FulfilOrder {
+    type Payload = Fulfil;
+    type Output = ();
+    const KIND: &'static str = "fulfil_order";
+
+    async fn run(&self, ctx: JobContext, f: Fulfil) -> Result<(), JobError> {
+        // Picking and packing.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(&format!(
+            "UPDATE {} SET status = 'fulfilled', fulfilled_at = now() WHERE id = $1 AND status = 'new'",
+            self.orders
+        ))
+        .bind(f.order_id)
+        .execute(&mut *tx)
+        .await?;
+        let result = serde_json::json!({ "order_id": f.order_id });
+        match ctx.complete_in(&mut tx, Some(result)).await? {
+            CompleteOutcome::Stale => {
+                // Another worker owns the job now; it fulfils the order.
+                tx.rollback().await?;
+                Err(JobError::retry("lost the lease before fulfilling"))
+            }
+            CompleteOutcome::Completed | CompleteOutcome::AlreadyCompleted { .. } => {
+                tx.commit().await?;
+                Ok(())
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The HTTP service.
+// ---------------------------------------------------------------------------------
+
+struct AppState {
+    /// The web workers' pool.
+    pool: PgPool,
+    /// The scheduler: enqueue (it checks the kind) and metrics.
+    scheduler: Arc<Scheduler>,
+    /// The job tables over the web workers' pool, for reads.
+    jobs: Store,
+    orders: String,
+}
+
+#[derive(Deserialize)]
+struct OrderRequest {
+    customer: String,
+    item: String,
+    qty: i32,
+}
+
+enum OrderError {
+    Refused(String),
+    Internal(Box<dyn Error>),
+}
+
+impl<E: Error + 'static> From<E> for OrderError {
+    fn from(e: E) -> Self {
+        OrderError::Internal(Box::new(e))
+    }
+}
+
+/// Insert the order and enqueue its job in one transaction.
+async fn place_order(state: &AppState, r: OrderRequest) -> Result<(i64, JobId), OrderError> {
+    let mut tx = state.pool.begin().await?;
+    let order_id: i64 = sqlx::query_scalar(&format!(
+        "INSERT INTO {} (customer, item, qty) VALUES ($1, $2, $3) RETURNING id",
+        state.orders
+    ))
+    .bind(&r.customer)
+    .bind(&r.item)
+    .bind(r.qty)
+    .fetch_one(&mut *tx)
+    .await?;
+    let job = NewJob::new(FulfilOrder::KIND, &Fulfil { order_id })?
+        .with_key(format!("customer:{}", r.customer));
+    let job_id = state.scheduler.enqueue_in(&mut tx, job).await?;
+    if r.qty < 1 || r.qty > MAX_QTY {
+        // Nothing of this order remains, its job included.
+        tx.rollback().await?;
+        return Err(OrderError::Refused(format!(
+            "qty must be 1..={MAX_QTY}, got {}",
+            r.qty
+        )));
+    }
+    sqlx::query(&format!(
+        "UPDATE {} SET job_id = $2 WHERE id = $1",
+        state.orders
+    ))
+    .bind(order_id)
+    .bind(job_id.0)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok((order_id, job_id))
+}
+
+async fn create_order(state: web::Data<AppState>, body: web::Json<OrderRequest>) -> HttpResponse {
+    match place_order(&state, body.into_inner()).await {
+        Ok((order_id, job_id)) => HttpResponse::Created()
+            .json(serde_json::json!({ "order_id": order_id, "job_id": job_id.0 })),
+        Err(OrderError::Refused(reason)) => {
+            HttpResponse::UnprocessableEntity().json(serde_json::json!({ "error": reason }))
+        }
+        Err(OrderError::Internal(e)) => {
+            tracing::error!(error = %e, "order failed");
+            HttpResponse::InternalServerError().json(serde_json::json!({ "error": e.to_string() }))
+        }
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct OrderRow {
+    customer: String,
+    item: String,
+    qty: i32,
+    status: String,
+    job_id: Option<i64>,
+}
+
+async fn get_order(state: web::Data<AppState>, id: web::Path<i64>) -> HttpResponse {
+    let row: Result<Option<OrderRow>, _> = sqlx::query_as(&format!(
+        "SELECT customer, item, qty, status, job_id FROM {} WHERE id = $1",
+        state.orders
+    ))
+    .bind(*id)
+    .fetch_optional(&state.pool)
+    .await;
+    match row {
+        Ok(Some(OrderRow {
+            customer,
+            item,
+            qty,
+            status,
+            job_id,
+        })) => {
+            let job_state = match job_id {
+                Some(j) => match state.jobs.job(JobId(j)).await {
+                    Ok(job) => Some(job.state.to_string()),
+                    Err(e) => Some(format!("unknown ({e})")),
+                },
+                None => None,
+            };
+            HttpResponse::Ok().json(serde_json::json!({
+                "order_id": *id, "customer": customer, "item": item, "qty": qty,
+                "status": status, "job_id": job_id, "job_state": job_state,
+            }))
+        }
+        Ok(None) => HttpResponse::NotFound().json(serde_json::json!({ "error": "no such order" })),
+        Err(e) => {
+            HttpResponse::InternalServerError().json(serde_json::json!({ "error": e.to_string() }))
+        }
+    }
+}
+
+async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    let mut text = String::new();
+    for (name, value) in leasehold::metrics::flatten(&state.scheduler.metrics()) {
+        text.push_str(&format!("{name} {value}\n"));
+    }
+    HttpResponse::Ok()
+        .content_type("text/plain; charset=utf-8")
+        .body(text)
+}
+
+// ---------------------------------------------------------------------------------
+// Setup and the main loop.
+// ---------------------------------------------------------------------------------
+
+fn connect_options() -> Result<PgConnectOptions, Box<dyn Error>> {
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        return Ok(url.parse()?);
+    }
+    let host = std::env::var("PGHOST").unwrap_or_else(|_| "127.0.0.1".into());
+    let port = std::env::var("PGPORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(5432);
+    let user = std::env::var("PGUSER").unwrap_or_else(|_| "root".into());
+    Ok(PgConnectOptions::new()
+        .host(&host)
+        .port(port)
+        .username(&user)
+        .database("postgres"))
+}
+
+/// Create `leasehold_demo` if missing; options for it.
+async fn database() -> Result<PgConnectOptions, Box<dyn Error>> {
+    let server = connect_options()?;
+    let mut admin = server.connect().await?;
+    let exists: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'leasehold_demo')",
+    )
+    .fetch_one(&mut admin)
+    .await?;
+    if !exists {
+        // Two starts may race here; the loser's error is harmless.
+        let _ = sqlx::query("CREATE DATABASE leasehold_demo")
+            .execute(&mut admin)
+            .await;
+    }
+    sqlx::Connection::close(admin).await?;
+    Ok(server
+        .database("leasehold_demo")
+        .log_statements(tracing::log::LevelFilter::Trace))
+}
+
+async fn open_pool(
+    options: &PgConnectOptions,
+    name: &str,
+    size: u32,
+) -> Result<PgPool, Box<dyn Error>> {
+    Ok(PgPoolOptions::new()
+        .max_connections(size)
+        .connect_with(options.clone().application_name(name))
+        .await?)
+}
+
+/// The business schema: one table of orders.
+async fn create_orders_table(pool: &PgPool, schema: &str) -> Result<String, Box<dyn Error>> {
+    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
+        .execute(pool)
+        .await?;
+    let orders = format!("\"{schema}\".orders");
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {orders} (
+            id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            customer     text        NOT NULL,
+            item         text        NOT NULL,
+            qty          integer     NOT NULL,
+            status       text        NOT NULL DEFAULT 'new',
+            job_id       bigint,
+            created_at   timestamptz NOT NULL DEFAULT now(),
+            fulfilled_at timestamptz)"
+    ))
+    .execute(pool)
+    .await?;
+    Ok(orders)
+}
+
+/// Until Ctrl-C or SIGTERM.
+async fn stop_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+#[actix_web::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter("leasehold=warn,actix_web_service=info")
+        .init();
+    let demo = std::env::args().any(|a| a == "--demo");
+    let port: u16 = match std::env::var("PORT") {
+        Ok(p) => p.parse()?,
+        Err(_) if demo => 0,
+        Err(_) => 8080,
+    };
+    let (shop, jobs) = if demo {
+        let pid = std::process::id();
+        (format!("shop_demo_{pid}"), format!("shop_demo_{pid}_jobs"))
+    } else {
+        ("shop".to_string(), "shop_jobs".to_string())
+    };
+
+    let options = database().await?;
+    let pool = open_pool(&options, "leasehold-web-example", 8).await?;
+    let web_pool = open_pool(&options, "leasehold-web-example-http", 8).await?;
+    let orders = create_orders_table(&pool, &shop).await?;
+    let config = Config {
+        schema: jobs.clone(),
+        shutdown_grace: Duration::from_secs(5),
+        ..Config::default()
+    };
+    let scheduler = Arc::new(
+        Scheduler::builder(pool.clone(), config)
+            .register(FulfilOrder {
+                pool: pool.clone(),
+                orders: orders.clone(),
+            })
+            .start()
+            .await?,
+    );
+
+    let state = web::Data::new(AppState {
+        pool: web_pool.clone(),
+        scheduler: scheduler.clone(),
+        jobs: Store::new(web_pool.clone(), &jobs, StoreOptions::default())?,
+        orders: orders.clone(),
+    });
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .route("/orders", web::post().to(create_order))
+            .route("/orders/{id}", web::get().to(get_order))
+            .route("/metrics", web::get().to(metrics))
+    })
+    .workers(2)
+    .disable_signals()
+    .shutdown_timeout(10)
+    .bind(("127.0.0.1", port))?;
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let handle = server.handle();
+    println!("listening on http://{addr}");
+
+    let stopper = actix_web::rt::spawn(async move {
+        let outcome = if demo {
+            run_demo(addr).await
+        } else {
+            stop_signal().await;
+            println!("stopping: HTTP server first, then the scheduler");
+            Ok(0)
+        };
+        // Graceful: requests in flight finish.
+        handle.stop(true).await;
+        outcome
+    });
+    server.await?;
+    let mut outcome = stopper.await?;
+    web_pool.close().await;
+
+    // The server's workers are gone, and with them their handles on the scheduler.
+    let scheduler = unwrap_when_alone(scheduler).await?;
+    let report = scheduler.shutdown().await?;
+    println!(
+        "scheduler stopped: {} attempts drained, {} released",
+        report.drained, report.cancelled
+    );
+    if demo {
+        if let Ok(placed) = outcome {
+            outcome = check_demo_tables(&pool, &orders, &jobs, placed).await;
+        }
+        for schema in [&shop, &jobs] {
+            sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+                .execute(&pool)
+                .await?;
+        }
+    }
+    pool.close().await;
+    outcome
+        .map(|_| ())
+        .map_err(|e| -> Box<dyn Error> { e.into() })
+}
+
+/// The refused order left nothing: as many orders as jobs, all fulfilled and done.
+async fn check_demo_tables(
+    pool: &PgPool,
+    orders: &str,
+    jobs: &str,
+    placed: usize,
+) -> Result<usize, String> {
+    let (n_orders, fulfilled): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*), count(*) FILTER (WHERE status = 'fulfilled') FROM {orders}"
+    ))
+    .fetch_one(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    let (n_jobs, done): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*), count(*) FILTER (WHERE state = 'done') FROM \"{jobs}\".jobs"
+    ))
+    .fetch_one(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    println!(
+        "in the database: {n_orders} orders ({fulfilled} fulfilled), {n_jobs} jobs ({done} done)"
+    );
+    let p = placed as i64;
+    if (n_orders, fulfilled, n_jobs, done) != (p, p, p, p) {
+        return Err(format!("expected {placed} of each"));
+    }
+    println!("demo ok: the refused order left neither an order nor a job");
+    Ok(placed)
+}
+
+async fn unwrap_when_alone(mut scheduler: Arc<Scheduler>) -> Result<Scheduler, Box<dyn Error>> {
+    for _ in 0..500 {
+        match Arc::try_unwrap(scheduler) {
+            Ok(s) => return Ok(s),
+            Err(shared) => scheduler = shared,
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Err("the scheduler is still shared after the HTTP server stopped".into())
+}
+
+// ---------------------------------------------------------------------------------
+// --demo: a few requests over loopback, with checks.
+// ---------------------------------------------------------------------------------
+
+/// One HTTP/1.1 request on its own connection; (status, body).
+async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> Result<(u16, String), String> {
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(req.as_bytes())
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let mut raw = Vec::new();
+    stream
+        .read_to_end(&mut raw)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    let raw = String::from_utf8_lossy(&raw);
+    let (head, body) = raw.split_once("\r\n\r\n").ok_or("no HTTP header")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("no HTTP status")?;
+    Ok((status, body.to_string()))
+}
+
+fn field(body: &str, name: &str) -> Option<serde_json::Value> {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get(name).cloned())
+}
+
+/// Returns how many orders were placed.
+async fn run_demo(addr: SocketAddr) -> Result<usize, String> {
+    let orders = [
+        ("alice", "book", 1),
+        ("alice", "lamp", 2),
+        ("bob", "chair", 4),
+        ("bob", "piano", 500), // over the limit: refused, rolled back with its job
+    ];
+    let mut placed = Vec::new();
+    for (customer, item, qty) in orders {
+        let body = serde_json::json!({ "customer": customer, "item": item, "qty": qty });
+        let (status, reply) = request(addr, "POST", "/orders", Some(body)).await?;
+        println!("POST /orders {customer} {item} x{qty} -> {status} {reply}");
+        match (qty <= MAX_QTY, status) {
+            (true, 201) => placed.push(
+                field(&reply, "order_id")
+                    .and_then(|v| v.as_i64())
+                    .ok_or("no order_id")?,
+            ),
+            (false, 422) => {}
+            _ => return Err(format!("unexpected status {status} for {item} x{qty}")),
+        }
+    }
+
+    // Every placed order gets fulfilled by its job.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    for id in &placed {
+        loop {
+            let (status, reply) = request(addr, "GET", &format!("/orders/{id}"), None).await?;
+            let fulfilled = status == 200
+                && field(&reply, "status").as_ref().and_then(|s| s.as_str()) == Some("fulfilled")
+                && field(&reply, "job_state").as_ref().and_then(|s| s.as_str()) == Some("done");
+            if fulfilled {
+                println!("GET /orders/{id} -> {reply}");
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!(
+                    "order {id} not fulfilled in time: {status} {reply}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    let (status, text) = request(addr, "GET", "/metrics", None).await?;
+    println!("GET /metrics -> {status}");
+    let mut completed = None;
+    for line in text.lines() {
+        if line.starts_with("leasehold_claimed ")
+            || line.starts_with("leasehold_completed ")
+            || line.starts_with("leasehold_in_flight ")
+            || line.starts_with("leasehold_mailbox_handled")
+        {
+            println!("  {line}");
+        }
+        if let Some(v) = line.strip_prefix("leasehold_completed ") {
+            completed = v.trim().parse::<usize>().ok();
+        }
+    }
+    // Exactly the committed orders had jobs: the refused order's job never existed.
+    if status != 200 || completed != Some(placed.len()) {
+        return Err(format!(
+            "metrics say {completed:?} jobs completed, expected {}",
+            placed.len()
+        ));
+    }
+    println!("{} orders placed and fulfilled", placed.len());
+    Ok(placed.len())
+}

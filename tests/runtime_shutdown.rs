@@ -1,0 +1,314 @@
+//! Shutdown: start and stop many times with jobs in flight without leaking actors,
+//! tasks, threads or connections; a job released at shutdown is claimable at once.
+//!
+//! Both tests count the scheduler's own connections by name, so each runs in a database
+//! of its own (see `OwnDb`).
+
+mod common;
+#[path = "common/worker.rs"]
+mod worker;
+
+use std::sync::atomic::{AtomicI64, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::within;
+use leasehold::{Handler, JobContext, JobError, JobState, NewJob, Scheduler};
+use serde::{Deserialize, Serialize};
+use worker::{fast_config, run_in_system, wait_until, OwnDb};
+
+/// Counts live handler futures: +1 when a run starts, -1 when its future is dropped
+/// (finished, or aborted at shutdown).
+struct Live(Arc<AtomicI64>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Work {
+    ms: u64,
+}
+
+struct Worker {
+    live: Arc<AtomicI64>,
+    /// Cap every job at 5 ms (the last scheduler, which drains the queue).
+    fast: bool,
+}
+
+impl Handler for Worker {
+    type Payload = Work;
+    type Output = ();
+    const KIND: &'static str = "work";
+
+    async fn run(&self, _: JobContext, w: Work) -> Result<(), JobError> {
+        self.live.fetch_add(1, SeqCst);
+        let _live = Live(self.live.clone());
+        // Ignores cancellation on purpose: the long ones outlive the grace period.
+        let ms = if self.fast { w.ms.min(5) } else { w.ms };
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok(())
+    }
+}
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+#[test]
+fn starting_and_stopping_twenty_times_with_jobs_in_flight_leaks_nothing() {
+    run_in_system(within(150, "start/stop loop", async {
+        let own = OwnDb::new("shutdown_loop").await;
+        let db = &own.db;
+        let live = Arc::new(AtomicI64::new(0));
+        let mut config = fast_config(&db.schema);
+        config.shutdown_grace = Duration::from_millis(200);
+        let mut threads_after_first = 0;
+        let mut enqueued = 0i64;
+        let mut released = 0u64;
+        for round in 0..20 {
+            let scheduler = Scheduler::builder(db.pool.clone(), config.clone())
+                .register(Worker {
+                    live: live.clone(),
+                    fast: false,
+                })
+                .start()
+                .await
+                .unwrap();
+            // Short jobs that drain, long ones that are cancelled and released.
+            let mut jobs = Vec::new();
+            for i in 0..12i64 {
+                let ms = if i % 4 == 0 {
+                    5_000
+                } else {
+                    5 + (i as u64 % 3) * 20
+                };
+                let job = NewJob::new("work", &Work { ms }).unwrap();
+                jobs.push(if i % 3 == 0 {
+                    job
+                } else {
+                    job.with_key(format!("k{}", i % 4))
+                });
+            }
+            enqueued += jobs.len() as i64;
+            scheduler.enqueue_many(jobs).await.unwrap();
+            wait_until(10, "jobs to be in flight", || async {
+                scheduler.metrics().in_flight > 0
+            })
+            .await;
+            // Every connection of the scheduler's own is open before it stops.
+            scheduler.renew_now().await.unwrap();
+            scheduler.reap_now().await.unwrap();
+            wait_until(10, "the listener to connect", || async {
+                own.scheduler_backends().await == 3
+            })
+            .await;
+            let report = scheduler.shutdown().await.unwrap();
+            // Every actor stopped: no attempt and no sequencer is left.
+            assert_eq!(report.metrics.in_flight, 0, "round {round}: {report:?}");
+            assert_eq!(report.metrics.sequencers, 0, "round {round}: {report:?}");
+            released += report.metrics.counters.released;
+
+            // Every attempt ended or was released; nothing is left running.
+            assert_eq!(
+                db.count_where("jobs", "state = 'running'").await,
+                0,
+                "round {round}"
+            );
+            // Every handler future is gone (an aborted one is dropped right after).
+            wait_until(5, "handler futures to be dropped", || async {
+                live.load(SeqCst) == 0
+            })
+            .await;
+            // The scheduler's own connections are closed; the host's pool is the only one.
+            wait_until(5, "the scheduler's connections to close", || async {
+                own.scheduler_backends().await == 0
+            })
+            .await;
+            if round == 0 {
+                threads_after_first = threads();
+            }
+        }
+        let threads_at_end = threads();
+        eprintln!(
+            "threads after the first round: {threads_after_first}, after the last: {threads_at_end}; released at shutdown: {released}"
+        );
+        // One maintenance thread per start would show here; a few pooled blocking
+        // threads may come and go.
+        assert!(
+            threads_at_end <= threads_after_first + 4,
+            "threads grew from {threads_after_first} to {threads_at_end}"
+        );
+        assert!(released > 0, "no round released a job at shutdown");
+        assert_eq!(
+            db.count_where("job_events", "event = 'released'").await,
+            released as i64
+        );
+
+        // Nothing was lost or left to the reaper: a last scheduler finishes every job.
+        let scheduler = Scheduler::builder(db.pool.clone(), config.clone())
+            .register(Worker {
+                live: live.clone(),
+                fast: true,
+            })
+            .start()
+            .await
+            .unwrap();
+        wait_until(60, "every job to finish", || async {
+            db.count_where("jobs", "state = 'done'").await == enqueued
+        })
+        .await;
+        scheduler.shutdown().await.unwrap();
+        assert_eq!(db.count_where("lease_expiries", "true").await, 0);
+        assert_eq!(
+            db.count_where("jobs", "attempts <> 1").await,
+            0,
+            "a released attempt was counted"
+        );
+        own.drop().await;
+    }))
+}
+
+/// Blocks (ignoring cancellation) on its first generation; completes on later ones.
+struct Stubborn {
+    live: Arc<AtomicI64>,
+}
+
+impl Handler for Stubborn {
+    type Payload = ();
+    type Output = ();
+    const KIND: &'static str = "stubborn";
+
+    async fn run(&self, ctx: JobContext, _: ()) -> Result<(), JobError> {
+        if ctx.generation().0 >= 2 {
+            return Ok(());
+        }
+        self.live.fetch_add(1, SeqCst);
+        let _live = Live(self.live.clone());
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        Ok(())
+    }
+}
+
+#[test]
+fn a_job_released_at_shutdown_is_claimed_at_once_by_another_scheduler() {
+    run_in_system(within(60, "release at shutdown test", async {
+        let own = OwnDb::new("shutdown_release").await;
+        let db = &own.db;
+        let live = Arc::new(AtomicI64::new(0));
+        let mut config = fast_config(&db.schema);
+        // A lease far longer than the test: the job must not come back by expiry.
+        config.lease = Duration::from_secs(60);
+        config.renew_interval = Duration::from_secs(5);
+        config.shutdown_grace = Duration::from_millis(300);
+
+        let first = Scheduler::builder(db.pool.clone(), config.clone())
+            .register(Stubborn { live: live.clone() })
+            .start()
+            .await
+            .unwrap();
+        let id = first.enqueue::<Stubborn>(&()).await.unwrap();
+        wait_until(10, "the job to run", || async { live.load(SeqCst) == 1 }).await;
+        let report = first.shutdown().await.unwrap();
+        assert_eq!((report.drained, report.cancelled), (0, 1), "{report:?}");
+        wait_until(5, "the handler to be dropped", || async {
+            live.load(SeqCst) == 0
+        })
+        .await;
+
+        // Released: pending, due now, the attempt not counted, no lease.
+        let job = db.store.job(id).await.unwrap();
+        assert_eq!(job.state, JobState::Pending, "{job:?}");
+        assert_eq!((job.attempts, job.generation.0), (0, 1), "{job:?}");
+        assert_eq!(job.lease_until, None);
+        let due: bool = sqlx::query_scalar(&format!(
+            "SELECT available_at <= now() FROM {} WHERE id = $1",
+            db.table("jobs")
+        ))
+        .bind(id.0)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert!(due, "released job not due at once: {job:?}");
+        let events: Vec<String> = db
+            .store
+            .history(id)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.event)
+            .collect();
+        assert!(events.iter().any(|e| e == "released"), "{events:?}");
+
+        // A second scheduler completes it well within the 60 s lease.
+        let second = Scheduler::builder(db.pool.clone(), config)
+            .register(Stubborn { live: live.clone() })
+            .start()
+            .await
+            .unwrap();
+        wait_until(10, "the second scheduler to complete the job", || async {
+            db.state_of(id).await == "done"
+        })
+        .await;
+        second.shutdown().await.unwrap();
+        let job = db.store.job(id).await.unwrap();
+        assert_eq!((job.attempts, job.generation.0), (1, 2), "{job:?}");
+        assert_eq!(db.count_where("lease_expiries", "true").await, 0);
+        own.drop().await;
+    }))
+}
+
+#[test]
+fn a_draining_scheduler_claims_nothing_new_and_leaves_nothing_claimed() {
+    run_in_system(within(90, "drain test", async {
+        let own = OwnDb::new("shutdown_drain").await;
+        let db = &own.db;
+        let live = Arc::new(AtomicI64::new(0));
+        let mut config = fast_config(&db.schema);
+        config.shutdown_grace = Duration::from_secs(2);
+        // A hot key with a long backlog of short jobs: its sequencer fetches the next
+        // job the moment one completes, so shutdown always meets a fetch.
+        let jobs: Vec<NewJob> = (0..500)
+            .map(|_| {
+                NewJob::new("work", &Work { ms: 20 })
+                    .unwrap()
+                    .with_key("hot")
+            })
+            .collect();
+        db.store.enqueue_many(jobs).await.unwrap();
+        for round in 0..8 {
+            let scheduler = Scheduler::builder(db.pool.clone(), config.clone())
+                .register(Worker {
+                    live: live.clone(),
+                    fast: false,
+                })
+                .start()
+                .await
+                .unwrap();
+            let done = db.count_where("jobs", "state = 'done'").await;
+            wait_until(10, "the key to get going", || async {
+                db.count_where("jobs", "state = 'done'").await >= done + 3
+            })
+            .await;
+            let claimed_before = scheduler.metrics().counters.claimed;
+            let report = scheduler.shutdown().await.unwrap();
+            let claimed_during = report.metrics.counters.claimed - claimed_before;
+            // At most the job a fetch already in flight returns.
+            assert!(
+                claimed_during <= 1,
+                "round {round}: {claimed_during} jobs claimed after shutdown began"
+            );
+            // And that one was run or released, not left claimed until its lease ends.
+            assert_eq!(
+                db.count_where("jobs", "state = 'running'").await,
+                0,
+                "round {round}: a job was left claimed; {report:?}"
+            );
+            assert_eq!(report.metrics.sequencers, 0);
+        }
+        assert_eq!(db.count_where("lease_expiries", "true").await, 0);
+        own.drop().await;
+    }))
+}
