@@ -55,7 +55,10 @@ pub struct Config {
     pub schema: String,
     /// Queues this scheduler claims from. Default `["default"]`.
     pub queues: Vec<String>,
-    /// Jobs run at once by this scheduler (keyed and unkeyed). Default 16.
+    /// Handlers run at once by this scheduler (keyed and unkeyed). An unkeyed job's slot
+    /// is free again when its handler returns; its completion is then written by the
+    /// batcher, and at most `max(concurrency, completion_batch)` jobs wait for that write
+    /// before claims pause. Default 16.
     pub concurrency: usize,
     /// Lease taken at claim and on each renewal. Default 30 s.
     pub lease: Duration,
@@ -92,9 +95,11 @@ pub struct Config {
     /// Mailbox capacity of each actor; a send past it is counted as an overflow (and
     /// still delivered: leasehold never drops a message). Default 4096.
     pub mailbox_capacity: usize,
-    /// Completions written per statement by the completion batcher. Default 128.
+    /// Completions written per statement by the completion batcher, at most. Default 128.
     pub completion_batch: usize,
-    /// The batcher flushes at least this often. Default 2 ms.
+    /// The batcher writes at once when idle and batches what arrives while a write is in
+    /// flight; a completion waits at most this long for a slow write before a second
+    /// batch starts alongside it. Default 2 ms.
     pub completion_flush: Duration,
     /// Delete terminal jobs older than this (checked by the reaper). Default None: keep.
     pub retention: Option<Duration>,

@@ -1,6 +1,7 @@
 //! The shared state of one running scheduler, handed to its actors and executions.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use dashmap::DashMap;
 use tokio_util::sync::CancellationToken;
@@ -13,7 +14,7 @@ use crate::actor::{Metered, Slots};
 use crate::config::Config;
 use crate::context::JobContext;
 use crate::handler::Registry;
-use crate::job::{JobId, OwnerId};
+use crate::job::{ClaimedJob, JobId, OwnerId};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -33,16 +34,32 @@ pub(crate) struct Env {
     pub sequencers: DashMap<(String, String), SequencerHandle>,
     /// Attempts running now, for shutdown.
     pub running: DashMap<JobId, JobContext>,
+    /// Fired when shutdown begins: from then on nothing claims (the claimer stops, and
+    /// sequencers stop fetching their key's next job).
+    pub stop_claiming: CancellationToken,
     /// Fired when the shutdown grace period ends: running attempts are cancelled and
     /// their jobs released.
     pub hard_stop: CancellationToken,
+    /// Keyed successors claimed by a completion while every slot was busy: the claimer
+    /// hands each the next free slot before it claims anything new.
+    pub parked: Mutex<VecDeque<ClaimedJob>>,
 }
 
 impl Env {
-    /// Tell the claimer that slots were freed or work may be waiting.
+    /// Queue a claimed successor for the next free slot.
+    pub fn park(&self, job: ClaimedJob) {
+        self.parked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(job);
+        self.wake_claimer();
+    }
+
+    /// Tell the claimer that slots were freed (or a successor was parked). New work is
+    /// announced by NOTIFY instead (the listener's `Wake`).
     pub fn wake_claimer(&self) {
         if let Some(claimer) = self.claimer.get() {
-            let _ = claimer.tell(crate::actor::claimer::Wake);
+            let _ = claimer.tell(crate::actor::claimer::SlotsFreed);
         }
     }
 }

@@ -45,7 +45,17 @@ enum Attempt {
 /// sequencer). Called synchronously when a claim returns, so shutdown never sees a
 /// momentary zero between a job's claim and its start.
 pub(crate) fn hold(env: &Env, n: usize) {
-    env.metrics.in_flight.fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
+    env.metrics
+        .in_flight
+        .fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// End the holds of jobs given back without running (parked successors released at
+/// shutdown).
+pub(crate) fn unhold(env: &Env, n: usize) {
+    env.metrics
+        .in_flight
+        .fetch_sub(n as u64, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// Ends a hold when the execution ends (or is dropped).
@@ -53,12 +63,52 @@ struct HeldJob<'a>(&'a Env);
 
 impl Drop for HeldJob<'_> {
     fn drop(&mut self) {
-        self.0.metrics.in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0
+            .metrics
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
-/// Run one claimed (and [`hold`]-counted) job to its ending.
-pub(crate) async fn execute(env: Arc<Env>, job: ClaimedJob) -> Ended {
+/// Run one claimed (and [`hold`]-counted) job to its ending, calling `ran` once the
+/// handler has returned, before the ending is
+/// written: the claimer frees the job's slot there, so the next claim overlaps the
+/// completion write.
+pub(crate) async fn execute_then(env: Arc<Env>, job: ClaimedJob, ran: impl FnOnce()) -> Ended {
+    attempt_once(env, job, ran, false).await.0
+}
+
+/// What a completion through the batcher said about the key's next job.
+#[derive(Debug, Default)]
+pub(crate) enum Successor {
+    /// No chained completion happened (not keyed, shutdown begun, completed in the
+    /// handler's own transaction, a replayed completion, a failure...).
+    #[default]
+    NotAsked,
+    /// Asked: the key has no successor the owner can claim now (none, not yet due, or
+    /// of a kind it does not run; a promoted one is pending and announced).
+    NoneClaimable,
+    /// Claimed in the completion's transaction, and counted as held.
+    Claimed(ClaimedJob),
+}
+
+/// [`execute_then`] for a key's sequencer: a completion also claims the key's successor in
+/// its transaction (unless shutdown has begun), for the sequencer to run with the slot
+/// it holds.
+pub(crate) async fn execute_chained(
+    env: Arc<Env>,
+    job: ClaimedJob,
+    ran: impl FnOnce(),
+) -> (Ended, Successor) {
+    attempt_once(env, job, ran, true).await
+}
+
+async fn attempt_once(
+    env: Arc<Env>,
+    job: ClaimedJob,
+    ran: impl FnOnce(),
+    chain: bool,
+) -> (Ended, Successor) {
     let _held = HeldJob(&env);
     let ctx = JobContext::new(job.clone(), env.store.clone(), env.config.effect_keep);
     env.running.insert(job.id, ctx.clone());
@@ -73,11 +123,27 @@ pub(crate) async fn execute(env: Arc<Env>, job: ClaimedJob) -> Ended {
         }
     }
     let attempt = run_handler(&env, &ctx, &job).await;
-    let ended = write_ending(&env, &ctx, &job, attempt).await;
+    // Chain the key's successor only while another slot is free: under saturation it
+    // waits its turn in the claimer's queue instead of holding a lease while parked.
+    let spare = env.slots.free() > 0;
+    ran();
+    let next = std::sync::Mutex::new(Successor::NotAsked);
+    let chain =
+        (chain && spare && job.key.is_some() && !env.stop_claiming.is_cancelled()).then_some(&next);
+    let ended = write_ending(&env, &ctx, &job, attempt, chain).await;
+    let next = next.into_inner().unwrap_or_else(|p| p.into_inner());
+    if matches!(next, Successor::Claimed(_)) {
+        // Counted before this attempt's own hold ends, so shutdown never sees a gap.
+        hold(&env, 1);
+        env.metrics.incr(|c| &c.claimed);
+    }
 
-    let _ = env.renewer.tell(Untrack { job: job.id });
+    let _ = env.renewer.tell(Untrack {
+        job: job.id,
+        generation: job.generation,
+    });
     env.running.remove(&job.id);
-    ended
+    (ended, next)
 }
 
 async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
@@ -174,7 +240,14 @@ async fn interrupted(
     }
 }
 
-async fn write_ending(env: &Env, ctx: &JobContext, job: &ClaimedJob, attempt: Attempt) -> Ended {
+/// `chain`: where to put the key's successor if the completion claims it.
+async fn write_ending(
+    env: &Env,
+    ctx: &JobContext,
+    job: &ClaimedJob,
+    attempt: Attempt,
+    chain: Option<&std::sync::Mutex<Successor>>,
+) -> Ended {
     let fence = job.fence();
     // The handler completed inside its own transaction but that transaction did not
     // commit (it returned Ok regardless): the business write is gone, so the attempt
@@ -183,7 +256,8 @@ async fn write_ending(env: &Env, ctx: &JobContext, job: &ClaimedJob, attempt: At
         Attempt::Succeeded(v) if ctx.completed_in_tx() => {
             match with_retries(env, job, || env.store.completion_status(&fence)).await {
                 Some(CompleteOutcome::Stale) => Attempt::Failed(Failure {
-                    reason: "the handler's transaction that completed the job did not commit".into(),
+                    reason: "the handler's transaction that completed the job did not commit"
+                        .into(),
                     permanent: false,
                 }),
                 _ => Attempt::Succeeded(v),
@@ -199,7 +273,7 @@ async fn write_ending(env: &Env, ctx: &JobContext, job: &ClaimedJob, attempt: At
             } else {
                 let result = if value.is_null() { None } else { Some(value) };
                 with_retries(env, job, || {
-                    complete_via_batcher(env, &fence, result.clone())
+                    complete_via_batcher(env, &fence, job.key.is_some(), chain, result.clone())
                 })
                 .await
             };
@@ -264,11 +338,15 @@ fn stale(env: &Env, job: &ClaimedJob, what: &str) -> Ended {
 async fn complete_via_batcher(
     env: &Env,
     fence: &crate::job::Fence,
+    keyed: bool,
+    chain: Option<&std::sync::Mutex<Successor>>,
     result: Option<serde_json::Value>,
 ) -> Result<CompleteOutcome> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let msg = Complete {
         fence: fence.clone(),
+        keyed,
+        chain: chain.is_some(),
         result: result.clone(),
         reply: tx,
     };
@@ -276,7 +354,16 @@ async fn complete_via_batcher(
         return env.store.complete(fence, result).await;
     }
     match rx.await {
-        Ok(reply) => reply,
+        Ok(Ok((outcome, next))) => {
+            if let (Some(slot), CompleteOutcome::Completed) = (chain, &outcome) {
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = match next {
+                    Some(job) => Successor::Claimed(job),
+                    None => Successor::NoneClaimable,
+                };
+            }
+            Ok(outcome)
+        }
+        Ok(Err(e)) => Err(e),
         // The batcher went away (shutdown): write it directly.
         Err(_) => env.store.complete(fence, result).await,
     }

@@ -129,6 +129,9 @@ counters! {
     empty_claims,
     /// Attempts that completed the job.
     completed,
+    /// Completion batches written by the completer (`completed / completion_batches` is
+    /// the mean batch size).
+    completion_batches,
     /// Attempts that failed and will be retried.
     failed,
     /// Attempts that made the job dead.

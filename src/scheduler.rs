@@ -106,7 +106,14 @@ impl SchedulerBuilder {
             Metered::new(addr, metrics.meter("reaper"))
         };
         let completer = Metered::new(
-            Completer::new(store.clone(), owner.clone(), &config, metrics.clone()).start(),
+            Completer::new(
+                store.clone(),
+                owner.clone(),
+                registry.kinds(),
+                &config,
+                metrics.clone(),
+            )
+            .start(),
             metrics.meter("completer"),
         );
 
@@ -116,13 +123,19 @@ impl SchedulerBuilder {
             registry,
             owner: owner.clone(),
             metrics: metrics.clone(),
-            slots: Slots::new(config.concurrency, config.inflight_byte_budget),
+            slots: Slots::new(
+                config.concurrency,
+                config.completion_batch,
+                config.inflight_byte_budget,
+            ),
             renewer,
             completer,
             claimer: Default::default(),
             sequencers: DashMap::new(),
             running: DashMap::new(),
+            stop_claiming: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
+            parked: Default::default(),
             config: config.clone(),
         });
         let claimer = Metered::new(Claimer::new(env.clone()).start(), metrics.meter("claimer"));
@@ -163,12 +176,16 @@ pub struct Scheduler {
 }
 
 /// What a shutdown did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ShutdownReport {
     /// Attempts that finished within the grace period.
     pub drained: u64,
     /// Attempts cancelled after the grace period (their jobs released at once).
     pub cancelled: u64,
+    /// The final figures, taken after every actor stopped (`shutdown` consumes the
+    /// handle, so this is the only way to read them): `in_flight` and `sequencers`
+    /// are 0 after a clean stop.
+    pub metrics: MetricsSnapshot,
 }
 
 impl Scheduler {
@@ -267,6 +284,7 @@ impl Scheduler {
             .in_flight
             .load(std::sync::atomic::Ordering::SeqCst);
         // 1. Stop claiming, and wait out a claim statement already in flight.
+        env.stop_claiming.cancel();
         loop {
             match self.claimer.ask(StopClaiming).await {
                 Ok(true) => tokio::time::sleep(Duration::from_millis(2)).await,
@@ -343,6 +361,7 @@ impl Scheduler {
         Ok(ShutdownReport {
             drained: at_start.saturating_sub(left),
             cancelled: left,
+            metrics: env.metrics.snapshot(),
         })
     }
 }

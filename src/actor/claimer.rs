@@ -1,15 +1,24 @@
 //! Claimer: runs the short claim statements and hands out the jobs.
 //!
 //! # Messages
-//! - [`Wake`]: a NOTIFY arrived, slots were freed, or the listener reconnected.
+//! - [`Wake`]: a NOTIFY arrived, or the listener reconnected.
+//! - [`SlotsFreed`]: a handler returned or a successor was parked.
 //! - [`StopClaiming`]: shutdown has begun.
 //!
 //! # Lifecycle
 //! Claims only into free slots (`take` reserves them first) and within the in-flight
-//! byte budget. One claim statement at a time, covering every queue of the scheduler.
-//! After a full batch it claims again at once; after an empty one the poll interval
-//! doubles up to `poll_interval_max`; any work resets it to `poll_interval_min`. A wake
-//! during a claim is remembered and served right after it.
+//! byte budget, one statement covering every queue of the scheduler. After a full batch
+//! it claims again at once; after an empty one the poll interval doubles up to
+//! `poll_interval_max`; any work resets it to `poll_interval_min`. A wake during a claim
+//! is remembered and served right after it.
+//!
+//! # Batching
+//! An unkeyed job gives its slot back as soon as its handler returns (its completion is
+//! then written by the completer while the next claim runs; see [`super::Slots`]).
+//! Under load, a wake that finds fewer than half a batch of free slots waits up to
+//! [`COALESCE`] for more, so one statement serves many freed slots; an idle scheduler
+//! claims at once. A second statement may run alongside the first when half a batch or
+//! more is free ([`MAX_CLAIMS_IN_FLIGHT`]).
 //!
 //! Unkeyed jobs run as tasks; keyed jobs go to their key's sequencer.
 //!
@@ -24,15 +33,22 @@ use actix::prelude::*;
 
 use super::sequencer::{RunJob, SequencerHandle};
 use crate::env::Env;
-use crate::executor::{execute, hold};
+use crate::executor::{execute_then, hold, unhold};
 use crate::job::ClaimedJob;
 use crate::metrics::MailboxMeter;
 use crate::store::ClaimRequest;
 
-/// Look for work now.
+/// Look for work now: a NOTIFY arrived, or the listener reconnected.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Wake;
+
+/// Slots were freed (a handler returned, a key moved on) or a successor was parked.
+/// Ignored while the latest claim found the queue empty: new work comes with a NOTIFY
+/// (or the next poll), so a freed slot alone is no reason to ask the database again.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SlotsFreed;
 
 /// Stop claiming (shutdown). Replies whether a claim statement is still in flight (its
 /// jobs are dispatched when it returns, so shutdown asks again until it is not).
@@ -42,13 +58,28 @@ pub(crate) struct StopClaiming;
 
 pub(crate) struct Claimer {
     env: Arc<Env>,
-    claiming: bool,
+    /// Claim statements running now (at most [`MAX_CLAIMS_IN_FLIGHT`]).
+    claiming: usize,
     wake_pending: bool,
     stopping: bool,
     poll: Duration,
     next_tick: Option<SpawnHandle>,
+    /// `next_tick` is a coalescing wait (see [`COALESCE`]), not a poll.
+    coalescing: bool,
+    /// The latest claim came back empty (and none is in flight).
+    found_nothing: bool,
     meter: Arc<MailboxMeter>,
 }
+
+/// Under load, a claim for fewer than half a batch of free slots waits this long for
+/// more running jobs to end, so one statement serves them together instead of one
+/// statement per freed slot. Never when the scheduler is idle (a NOTIFY on an idle
+/// scheduler claims at once).
+const COALESCE: Duration = Duration::from_millis(1);
+
+/// Claim statements in flight at once: a second one, for half a batch or more, overlaps
+/// the first (SKIP LOCKED keeps them apart), so claiming keeps up with fast handlers.
+const MAX_CLAIMS_IN_FLIGHT: usize = 2;
 
 impl Claimer {
     pub fn new(env: Arc<Env>) -> Self {
@@ -56,11 +87,13 @@ impl Claimer {
         let poll = env.config.poll_interval_min;
         Claimer {
             env,
-            claiming: false,
+            claiming: 0,
             wake_pending: false,
             stopping: false,
             poll,
             next_tick: None,
+            coalescing: false,
+            found_nothing: false,
             meter,
         }
     }
@@ -69,6 +102,7 @@ impl Claimer {
         if let Some(h) = self.next_tick.take() {
             ctx.cancel_future(h);
         }
+        self.coalescing = false;
         self.next_tick = Some(ctx.run_later(after, |act, ctx| {
             act.next_tick = None;
             act.claim(ctx);
@@ -76,20 +110,52 @@ impl Claimer {
     }
 
     fn claim(&mut self, ctx: &mut Context<Self>) {
+        self.claim_after(ctx, false);
+    }
+
+    /// Claim into the free slots; `waited`: the coalescing wait is over.
+    fn claim_after(&mut self, ctx: &mut Context<Self>, waited: bool) {
         if self.stopping {
+            self.release_parked();
             return;
         }
-        if self.claiming {
+        self.serve_parked();
+        let cfg = &self.env.config;
+        let free = self.env.slots.free();
+        let half_batch = cfg.claim_batch_max.min(cfg.concurrency).div_ceil(2);
+        // A second statement alongside the first only for half a batch or more; anything
+        // less waits for the first to return.
+        if self.claiming >= MAX_CLAIMS_IN_FLIGHT || (self.claiming > 0 && free < half_batch) {
             self.wake_pending = true;
             return;
         }
-        let cfg = &self.env.config;
+        if !waited && self.claiming == 0 && free > 0 && free < half_batch && free < cfg.concurrency
+        {
+            if !self.coalescing {
+                if let Some(h) = self.next_tick.take() {
+                    ctx.cancel_future(h);
+                }
+                self.coalescing = true;
+                self.next_tick = Some(ctx.run_later(COALESCE, |act, ctx| {
+                    act.next_tick = None;
+                    act.coalescing = false;
+                    act.claim_after(ctx, true);
+                }));
+            }
+            return;
+        }
+        if self.coalescing {
+            if let Some(h) = self.next_tick.take() {
+                ctx.cancel_future(h);
+            }
+            self.coalescing = false;
+        }
         let want = self.env.slots.take(cfg.claim_batch_max);
         if want == 0 {
             // Every slot is busy; a finishing job wakes us.
             return;
         }
-        self.claiming = true;
+        self.claiming += 1;
         let req = ClaimRequest {
             owner: self.env.owner.clone(),
             queues: cfg.queues.clone(),
@@ -103,7 +169,7 @@ impl Claimer {
         let started = Instant::now();
         ctx.spawn(async move { store.claim(&req).await }.into_actor(self).map(
             move |res, act, ctx| {
-                act.claiming = false;
+                act.claiming -= 1;
                 let env = act.env.clone();
                 env.metrics.record_claim(started.elapsed());
                 env.metrics.incr(|c| &c.claims);
@@ -113,10 +179,11 @@ impl Claimer {
                         let got = jobs.len();
                         env.slots.give_back(want - got);
                         env.metrics.add(|c| &c.claimed, got as u64);
-                    hold(&env, got);
+                        hold(&env, got);
                         for job in jobs {
                             act.dispatch(job);
                         }
+                        act.found_nothing = got == 0 && act.claiming == 0;
                         if got == 0 {
                             env.metrics.incr(|c| &c.empty_claims);
                             act.poll = (act.poll * 2).min(cfg.poll_interval_max);
@@ -142,6 +209,52 @@ impl Claimer {
         ));
     }
 
+    /// Give parked successors (already claimed, see [`Env::park`]) the free slots before
+    /// anything new is claimed.
+    fn serve_parked(&mut self) {
+        loop {
+            let job = {
+                let mut parked = self.env.parked.lock().unwrap_or_else(|p| p.into_inner());
+                if parked.is_empty() || self.env.slots.take(1) == 0 {
+                    return;
+                }
+                parked.pop_front()
+            };
+            if let Some(job) = job {
+                self.dispatch(job);
+            }
+        }
+    }
+
+    /// Shutdown: parked successors will not run here; give them back at once.
+    fn release_parked(&mut self) {
+        let jobs: Vec<ClaimedJob> = self
+            .env
+            .parked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        if jobs.is_empty() {
+            return;
+        }
+        let env = self.env.clone();
+        let held: Vec<_> = jobs.iter().map(|j| (j.id, j.generation)).collect();
+        actix::spawn(async move {
+            match env
+                .store
+                .release_many(&env.owner, &held, "released at shutdown")
+                .await
+            {
+                Ok(ids) => env.metrics.add(|c| &c.released, ids.len() as u64),
+                Err(e) => {
+                    tracing::warn!(error = %e, "leasehold could not release parked jobs; their leases will expire")
+                }
+            }
+            unhold(&env, held.len());
+        });
+    }
+
     /// Run an unkeyed job as a task; give a keyed one to its key's sequencer.
     fn dispatch(&mut self, job: ClaimedJob) {
         self.env.slots.hold_bytes(job.payload_bytes);
@@ -150,10 +263,16 @@ impl Claimer {
                 let env = self.env.clone();
                 actix::spawn(async move {
                     let bytes = job.payload_bytes;
-                    execute(env.clone(), job).await;
-                    env.slots.release_bytes(bytes);
-                    env.slots.give_back(1);
-                    env.wake_claimer();
+                    let slots = env.clone();
+                    execute_then(env.clone(), job, move || {
+                        slots.slots.release_bytes(bytes);
+                        slots.slots.finishing();
+                        slots.wake_claimer();
+                    })
+                    .await;
+                    if env.slots.finished() {
+                        env.wake_claimer();
+                    }
                 });
             }
             Some(key) => SequencerHandle::deliver(&self.env, (job.queue.clone(), key), RunJob(job)),
@@ -174,7 +293,25 @@ impl Handler<Wake> for Claimer {
     type Result = ();
     fn handle(&mut self, _: Wake, ctx: &mut Self::Context) {
         let _m = self.meter.handling();
+        self.found_nothing = false;
         self.poll = self.env.config.poll_interval_min;
+        self.claim(ctx);
+    }
+}
+
+impl Handler<SlotsFreed> for Claimer {
+    type Result = ();
+    fn handle(&mut self, _: SlotsFreed, ctx: &mut Self::Context) {
+        let _m = self.meter.handling();
+        let parked = !self
+            .env
+            .parked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty();
+        if self.found_nothing && !parked {
+            return;
+        }
         self.claim(ctx);
     }
 }
@@ -187,7 +324,8 @@ impl Handler<StopClaiming> for Claimer {
         if let Some(h) = self.next_tick.take() {
             ctx.cancel_future(h);
         }
-        self.claiming
+        self.release_parked();
+        self.claiming > 0
     }
 }
 

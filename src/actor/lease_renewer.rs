@@ -1,7 +1,10 @@
 //! Lease renewer: extends the leases of this scheduler's running jobs, in batches.
 //!
 //! # Messages
-//! - [`Track`] / [`Untrack`]: an attempt started / ended.
+//! - [`Track`] / [`Untrack`]: an attempt started / ended. Both name the generation: one
+//!   process can hold two generations of a job at once (its old attempt still running
+//!   after its lease was taken back, and the job claimed again by this same process),
+//!   and the end of one must not stop the renewal of the other.
 //! - [`RenewNow`]: renew at once (tests; the interval does the same).
 //!
 //! # Lifecycle
@@ -35,6 +38,7 @@ pub(crate) struct Track {
 #[rtype(result = "()")]
 pub(crate) struct Untrack {
     pub job: JobId,
+    pub generation: Generation,
 }
 
 /// Renew now; resolves with (renewed, lost) counts.
@@ -84,14 +88,20 @@ impl LeaseRenewer {
         let store = self.store.clone();
         let owner = self.owner.clone();
         let lease = self.lease;
-        Some(async move { store.renew(&owner, &jobs, lease).await }.into_actor(self).map(|res, act, _| {
+        let sent = jobs.clone();
+        Some(async move { store.renew(&owner, &jobs, lease).await }.into_actor(self).map(move |res, act, _| {
             act.renewing = false;
             match res {
                 Ok(report) => {
                     act.metrics.add(|c| &c.leases_renewed, report.renewed.len() as u64);
                     let mut lost = 0;
                     for id in report.lost {
-                        // Untracked meanwhile (the attempt ended): not a loss.
+                        // Untracked meanwhile (the attempt ended), or replaced by a newer
+                        // generation of this job: not a loss of what is tracked now.
+                        let sent = sent.iter().find(|(j, _)| *j == id).map(|(_, g)| *g);
+                        if act.tracked.get(&id).map(|(g, _)| *g) != sent {
+                            continue;
+                        }
                         if let Some((generation, ctx)) = act.tracked.remove(&id) {
                             lost += 1;
                             act.metrics.incr(|c| &c.leases_lost);
@@ -128,6 +138,19 @@ impl Handler<Track> for LeaseRenewer {
     type Result = ();
     fn handle(&mut self, msg: Track, _: &mut Self::Context) {
         let _m = self.meter.handling();
+        // This process claimed the job again: the generation it tracked before has lost
+        // its lease for certain. Tell that attempt, and renew only the newest.
+        match self.tracked.get(&msg.job) {
+            Some((g, old)) if *g < msg.generation => {
+                self.metrics.incr(|c| &c.leases_lost);
+                old.cancel(CancelReason::LeaseLost);
+            }
+            Some((g, _)) if *g > msg.generation => {
+                msg.ctx.cancel(CancelReason::LeaseLost);
+                return;
+            }
+            _ => {}
+        }
         self.tracked.insert(msg.job, (msg.generation, msg.ctx));
     }
 }
@@ -136,7 +159,9 @@ impl Handler<Untrack> for LeaseRenewer {
     type Result = ();
     fn handle(&mut self, msg: Untrack, _: &mut Self::Context) {
         let _m = self.meter.handling();
-        self.tracked.remove(&msg.job);
+        if self.tracked.get(&msg.job).map(|(g, _)| *g) == Some(msg.generation) {
+            self.tracked.remove(&msg.job);
+        }
     }
 }
 

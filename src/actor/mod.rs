@@ -111,17 +111,29 @@ impl<A: Actor> Metered<A> {
 
 /// Execution slots and the in-flight byte budget, shared by the claimer and the
 /// sequencers (a sequencer's fetch-next reuses the slot of the job that just ended).
+///
+/// An unkeyed job gives its slot back when its handler returns, and then counts as
+/// *finishing* until its ending is written, so the next claim overlaps the completion
+/// write. At most `max(concurrency, completion_batch)` jobs may be finishing: past
+/// that, claims wait for the completion writes (backpressure). Handlers running at once
+/// never exceed `concurrency`.
 #[derive(Debug)]
 pub(crate) struct Slots {
     free: AtomicUsize,
+    finishing: AtomicUsize,
+    finishing_max: usize,
     bytes_in_use: AtomicI64,
     byte_budget: i64,
 }
 
 impl Slots {
-    pub fn new(concurrency: usize, byte_budget: usize) -> Self {
+    /// `completion_batch`: finishing jobs allowed beyond `concurrency`, so completion
+    /// batches can fill up under load.
+    pub fn new(concurrency: usize, completion_batch: usize, byte_budget: usize) -> Self {
         Slots {
             free: AtomicUsize::new(concurrency),
+            finishing: AtomicUsize::new(0),
+            finishing_max: concurrency.max(completion_batch),
             bytes_in_use: AtomicI64::new(0),
             byte_budget: byte_budget as i64,
         }
@@ -129,6 +141,10 @@ impl Slots {
 
     /// Reserve up to `want` slots; returns how many were reserved.
     pub fn take(&self, want: usize) -> usize {
+        let room = self
+            .finishing_max
+            .saturating_sub(self.finishing.load(SeqCst));
+        let want = want.min(room);
         let mut cur = self.free.load(SeqCst);
         loop {
             let n = cur.min(want);
@@ -140,6 +156,22 @@ impl Slots {
                 Err(actual) => cur = actual,
             }
         }
+    }
+
+    /// Slots free now.
+    pub fn free(&self) -> usize {
+        self.free.load(SeqCst)
+    }
+
+    /// A handler returned: its slot is free, its ending still to be written.
+    pub fn finishing(&self) {
+        self.finishing.fetch_add(1, SeqCst);
+        self.give_back(1);
+    }
+
+    /// A finishing job's ending was written. True when claims were held back for it.
+    pub fn finished(&self) -> bool {
+        self.finishing.fetch_sub(1, SeqCst) >= self.finishing_max
     }
 
     pub fn give_back(&self, n: usize) {

@@ -6,14 +6,23 @@
 //! # Lifecycle
 //! Created on demand in the scheduler's registry (a dashmap keyed by queue and key).
 //! The database already guarantees only the key's head is claimable; the sequencer adds
-//! the in-process part: when a job completes (which promoted its successor in the same
-//! transaction), it claims the key's next job at once with the slot just freed, instead
-//! of waiting for the claimer's next poll. After `sequencer_idle` without work it
-//! removes itself from the registry and stops.
+//! the in-process part: a job's completion promotes the key's successor and claims it
+//! for this sequencer in the same transaction (see [`crate::store`]'s key succession),
+//! so the key's next job starts without a claim statement or a poll. The handler's slot
+//! is free while that completion is written; the successor takes a free slot, or waits
+//! parked for the claimer to hand it the next one. After `sequencer_idle` without work
+//! the sequencer removes itself from the registry and stops.
 //!
 //! # Backpressure
 //! A job delivered while another runs waits in the sequencer (rare: only after a
-//! release or a reap). Each queued job already holds its slot.
+//! release or a reap). Each queued job already holds its slot. A chained successor is
+//! only asked for when another slot was free as the handler returned, so parked
+//! successors are few and short-lived.
+//!
+//! # Shutdown
+//! Once shutdown begins it fetches nothing more. On [`super::Stop`] it stops at once
+//! when idle; with a fetch in flight it first runs what the fetch claimed (the executor
+//! releases it), so no job is left claimed and unrun.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -23,7 +32,7 @@ use actix::prelude::*;
 
 use super::Metered;
 use crate::env::Env;
-use crate::executor::{execute, hold, Ended};
+use crate::executor::{execute_chained, hold, Ended, Successor};
 use crate::job::ClaimedJob;
 use crate::metrics::MailboxMeter;
 
@@ -76,6 +85,8 @@ pub(crate) struct Sequencer {
     inbox: Arc<AtomicUsize>,
     running: bool,
     fetching: bool,
+    /// Shutdown asked this sequencer to stop; it does once nothing runs or is fetched.
+    stopping: bool,
     backlog: VecDeque<ClaimedJob>,
     idle_timer: Option<SpawnHandle>,
     meter: Arc<MailboxMeter>,
@@ -91,6 +102,7 @@ impl Sequencer {
             inbox: inbox.clone(),
             running: false,
             fetching: false,
+            stopping: false,
             backlog: VecDeque::new(),
             idle_timer: None,
             meter: meter.clone(),
@@ -101,38 +113,58 @@ impl Sequencer {
         }
     }
 
+    /// Run a job that holds a slot (its bytes already counted).
     fn run(&mut self, job: ClaimedJob, ctx: &mut Context<Self>) {
         if let Some(t) = self.idle_timer.take() {
             ctx.cancel_future(t);
         }
         self.running = true;
         let env = self.env.clone();
+        let freed = self.env.clone();
         let bytes = job.payload_bytes;
         ctx.spawn(
-            execute(env, job)
-                .into_actor(self)
-                .map(move |ended, act, ctx| {
-                    act.running = false;
-                    act.env.slots.release_bytes(bytes);
-                    act.after(ended, ctx);
-                }),
+            execute_chained(env, job, move || {
+                // The handler returned: its slot serves other keys while the completion
+                // (which promotes this key's successor) is written.
+                freed.slots.release_bytes(bytes);
+                freed.slots.finishing();
+                freed.wake_claimer();
+            })
+            .into_actor(self)
+            .map(move |(ended, next), act, ctx| {
+                act.running = false;
+                if act.env.slots.finished() {
+                    act.env.wake_claimer();
+                }
+                act.after(ended, next, ctx);
+            }),
         );
     }
 
-    /// The running job ended, and its slot is still held here.
-    fn after(&mut self, ended: Ended, ctx: &mut Context<Self>) {
-        if let Some(next) = self.backlog.pop_front() {
-            // It brought its own slot.
-            self.env.slots.give_back(1);
-            self.run(next, ctx);
+    /// The running job ended; its slot went back when its handler returned.
+    fn after(&mut self, ended: Ended, next: Successor, ctx: &mut Context<Self>) {
+        if let Successor::Claimed(job) = next {
+            // Claimed by the completion's own transaction. It runs now if a slot is
+            // free; otherwise the claimer gives it the next one, before claiming anything
+            // new. Anything delivered meanwhile waits behind it.
+            if self.env.slots.take(1) == 1 {
+                self.env.slots.hold_bytes(job.payload_bytes);
+                self.run(job, ctx);
+            } else {
+                self.env.park(job);
+                self.next_or_idle(ctx);
+            }
             return;
         }
-        let key_moved_on = matches!(ended, Ended::Completed) && !self.env.hard_stop.is_cancelled();
-        if !key_moved_on {
-            self.release_slot(ctx);
+        // NoneClaimable: the completion already looked; a fetch would find nothing.
+        let key_moved_on = matches!(ended, Ended::Completed)
+            && !matches!(next, Successor::NoneClaimable)
+            && !self.env.stop_claiming.is_cancelled();
+        if !key_moved_on || !self.backlog.is_empty() || self.env.slots.take(1) == 0 {
+            self.next_or_idle(ctx);
             return;
         }
-        // Fetch the key's next job with the slot we hold.
+        // Fetch the key's next job with the slot just taken.
         self.fetching = true;
         let env = self.env.clone();
         let (queue, key) = self.key.clone();
@@ -150,25 +182,29 @@ impl Sequencer {
                         act.env.metrics.incr(|c| &c.claimed);
                         hold(&act.env, 1);
                         act.env.slots.hold_bytes(job.payload_bytes);
-                        // It takes over our slot; anything delivered meanwhile waits behind.
+                        // It takes the slot; anything delivered meanwhile waits behind.
                         act.run(job, ctx);
                     }
-                    Ok(None) => act.release_slot(ctx),
+                    Ok(None) => {
+                        act.env.slots.give_back(1);
+                        act.env.wake_claimer();
+                        act.next_or_idle(ctx);
+                    }
                     Err(e) => {
                         act.env.metrics.incr(|c| &c.db_errors);
                         tracing::warn!(error = %e, "leasehold sequencer fetch-next failed; the claimer will find the job");
-                        act.release_slot(ctx);
+                        act.env.slots.give_back(1);
+                        act.env.wake_claimer();
+                        act.next_or_idle(ctx);
                     }
                 }
             }),
         );
     }
 
-    /// Give back the slot of the job that ended, then run what the claimer delivered
-    /// meanwhile (it holds its own slot) or start the idle countdown.
-    fn release_slot(&mut self, ctx: &mut Context<Self>) {
-        self.env.slots.give_back(1);
-        self.env.wake_claimer();
+    /// Run what the claimer delivered meanwhile (it holds its own slot) or start the
+    /// idle countdown.
+    fn next_or_idle(&mut self, ctx: &mut Context<Self>) {
         match self.backlog.pop_front() {
             Some(next) => self.run(next, ctx),
             None => self.arm_idle(ctx),
@@ -176,6 +212,10 @@ impl Sequencer {
     }
 
     fn arm_idle(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping {
+            ctx.stop();
+            return;
+        }
         if self.idle_timer.is_some() {
             return;
         }
@@ -230,6 +270,12 @@ impl Handler<super::Stop> for Sequencer {
     type Result = ();
     fn handle(&mut self, _: super::Stop, ctx: &mut Self::Context) {
         let _m = self.meter.handling();
-        ctx.stop();
+        // A fetch in flight may have claimed the key's next job: stopping now would drop
+        // it claimed and unrun until its lease expires. Stop once it has run (released,
+        // since the grace period is over) and the slot is back.
+        self.stopping = true;
+        if !self.running && !self.fetching {
+            ctx.stop();
+        }
     }
 }

@@ -9,10 +9,10 @@ use std::collections::HashMap;
 
 use sqlx::{Acquire, PgConnection, Row};
 
-use super::keys::KeyRef;
+use super::keys::{Chain, KeyRef};
 use super::{sanitize_error_text, secs, Backoff, Store};
 use crate::error::Result;
-use crate::job::{CompleteOutcome, FailOutcome, Fence, Generation, JobId, OwnerId};
+use crate::job::{ClaimedJob, CompleteOutcome, FailOutcome, Fence, Generation, JobId, OwnerId};
 
 pub(super) const COMPLETE: &str = r#"/* leasehold:complete */
 WITH u AS (
@@ -26,6 +26,9 @@ WITH u AS (
 )
 SELECT id, queue, job_key FROM u"#;
 
+/// Complete a batch, and leave the completed heads' keys (the first half of
+/// [`super::Store::end_heads`]) in the same statement, which takes their rows' locks; the
+/// promotion follows in the same transaction, with a fresh snapshot.
 pub(super) const COMPLETE_MANY: &str = r#"/* leasehold:complete_many */
 WITH c AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[]) AS t(id, generation, result)
@@ -38,8 +41,32 @@ WITH c AS (
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
     SELECT id, generation, 'completed', $4, now() FROM u WHERE $5
+), k AS (
+    UPDATE {s}.job_keys jk
+    SET open_jobs = jk.open_jobs - d.n
+    FROM (SELECT queue, job_key, count(*) AS n
+            FROM u WHERE job_key IS NOT NULL
+           GROUP BY queue, job_key
+           ORDER BY queue, job_key) d
+    WHERE jk.queue = d.queue AND jk.job_key = d.job_key
 )
 SELECT id, queue, job_key FROM u"#;
+
+pub(super) const COMPLETE_UNKEYED: &str = r#"/* leasehold:complete_unkeyed */
+WITH c AS (
+    SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[]) AS t(id, generation, result)
+), u AS (
+    UPDATE {s}.jobs j
+    SET state = 'done', result = c.result, finished_at = now(), lease_until = NULL
+    FROM c
+    WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation AND j.state = 'running'
+      AND j.job_key IS NULL
+    RETURNING j.id, j.generation
+), ev AS (
+    INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
+    SELECT id, generation, 'completed', $4, now() FROM u WHERE $5
+)
+SELECT id FROM u"#;
 
 pub(super) const COMPLETION_READBACK: &str = r#"/* leasehold:completion_readback */
 SELECT id, state, generation, owner, result FROM {s}.jobs WHERE id = ANY($1)"#;
@@ -142,12 +169,34 @@ impl Store {
         owner: &OwnerId,
         items: &[(JobId, Generation, Option<serde_json::Value>)],
     ) -> Result<Vec<CompleteOutcome>> {
+        let no_chain = vec![false; items.len()];
+        let done = self
+            .complete_many_chained(owner, items, &no_chain, None)
+            .await?;
+        Ok(done.into_iter().map(|(o, _)| o).collect())
+    }
+
+    /// [`Store::complete_many`], also claiming (for `chain.owner`) the promoted successor
+    /// of each keyed item whose `chain_wanted` is set; see [`Store::end_heads_chained`].
+    /// Each outcome comes with the successor claimed for it, if any.
+    pub(crate) async fn complete_many_chained(
+        &self,
+        owner: &OwnerId,
+        items: &[(JobId, Generation, Option<serde_json::Value>)],
+        chain_wanted: &[bool],
+        chain: Option<&Chain<'_>>,
+    ) -> Result<Vec<(CompleteOutcome, Option<ClaimedJob>)>> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
         let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
         let gens: Vec<i64> = items.iter().map(|i| i.1 .0).collect();
         let results: Vec<Option<serde_json::Value>> = items.iter().map(|i| i.2.clone()).collect();
+        let wanted_by_id: HashMap<i64, bool> = ids
+            .iter()
+            .zip(chain_wanted)
+            .map(|(id, w)| (*id, *w))
+            .collect();
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
         let rows = sqlx::query(&self.sql().complete_many)
@@ -160,14 +209,31 @@ impl Store {
             .await?;
         let mut done = std::collections::HashSet::with_capacity(rows.len());
         let mut heads: Vec<KeyRef> = Vec::new();
+        let mut head_of: Vec<i64> = Vec::new();
+        let mut wanted: Vec<bool> = Vec::new();
         for row in &rows {
-            done.insert(row.try_get::<i64, _>("id")?);
+            let id: i64 = row.try_get("id")?;
+            done.insert(id);
             if let Some(key) = row.try_get::<Option<String>, _>("job_key")? {
                 heads.push((row.try_get("queue")?, key));
+                head_of.push(id);
+                wanted.push(wanted_by_id.get(&id).copied().unwrap_or(false));
             }
         }
-        self.end_heads(&mut tx, &heads).await?;
+        let successors = self
+            .promote_chained(&mut tx, &heads, &wanted, chain)
+            .await?;
         tx.commit().await?;
+        // Each successor belongs to the item that ended its key's head.
+        let mut next: HashMap<i64, ClaimedJob> = HashMap::new();
+        for job in successors {
+            let at = heads
+                .iter()
+                .position(|(q, k)| *q == job.queue && Some(k) == job.key.as_ref());
+            if let Some(at) = at {
+                next.insert(head_of[at], job);
+            }
+        }
         let missing: Vec<(JobId, Generation)> = items
             .iter()
             .filter(|i| !done.contains(&i.0 .0))
@@ -182,9 +248,57 @@ impl Store {
             .iter()
             .map(|i| {
                 if done.contains(&i.0 .0) {
+                    (CompleteOutcome::Completed, next.remove(&i.0 .0))
+                } else {
+                    (back.remove(&i.0).unwrap_or(CompleteOutcome::Stale), None)
+                }
+            })
+            .collect())
+    }
+
+    /// [`Store::complete_many`] for jobs the caller believes unkeyed (the completion
+    /// batcher's common case): one statement in its own implicit transaction, no
+    /// BEGIN/COMMIT round trips, since there is no successor to promote. The statement
+    /// skips keyed rows, so whatever it did not complete (a keyed job after all, a lost
+    /// fence, a completion already committed) goes through `complete_many`, which
+    /// promotes or tells the cases apart.
+    pub(crate) async fn complete_unkeyed(
+        &self,
+        owner: &OwnerId,
+        items: &[(JobId, Generation, Option<serde_json::Value>)],
+    ) -> Result<Vec<CompleteOutcome>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
+        let gens: Vec<i64> = items.iter().map(|i| i.1 .0).collect();
+        let results: Vec<Option<serde_json::Value>> = items.iter().map(|i| i.2.clone()).collect();
+        let done: std::collections::HashSet<i64> = sqlx::query_scalar(&self.sql().complete_unkeyed)
+            .bind(&ids)
+            .bind(&gens)
+            .bind(&results)
+            .bind(owner.as_str())
+            .bind(self.options().full_history)
+            .fetch_all(self.pool())
+            .await?
+            .into_iter()
+            .collect();
+        if done.len() == items.len() {
+            return Ok(vec![CompleteOutcome::Completed; items.len()]);
+        }
+        let rest: Vec<_> = items
+            .iter()
+            .filter(|i| !done.contains(&i.0 .0))
+            .cloned()
+            .collect();
+        let mut rest_outcomes = self.complete_many(owner, &rest).await?.into_iter();
+        Ok(items
+            .iter()
+            .map(|i| {
+                if done.contains(&i.0 .0) {
                     CompleteOutcome::Completed
                 } else {
-                    back.remove(&i.0).unwrap_or(CompleteOutcome::Stale)
+                    rest_outcomes.next().unwrap_or(CompleteOutcome::Stale)
                 }
             })
             .collect())

@@ -53,7 +53,7 @@ WITH input AS (
     RETURNING id, queue, state
 )
 SELECT id,
-       (SELECT count(pg_notify($11, q.queue))
+       (SELECT count(pg_notify($11, left(q.queue, 1000)))
           FROM (SELECT DISTINCT queue FROM ins WHERE state = 'pending') q) AS notified
 FROM ins
 ORDER BY id"#;
@@ -104,40 +104,50 @@ fn contains_nul(value: &serde_json::Value) -> bool {
 }
 
 impl Store {
+    /// The checks every enqueue path makes (one statement, many, or COPY), before the
+    /// job is written. The payload's JSON encoding, as sized against the cap, is left in
+    /// `encoded` (cleared first); returns the job's max attempts.
+    pub(super) fn check_job(&self, job: &NewJob, encoded: &mut Vec<u8>) -> Result<i32> {
+        check_name("queue", &job.queue)?;
+        check_name("kind", &job.kind)?;
+        if let Some(key) = &job.key {
+            check_name("key", key)?;
+        }
+        let max_attempts = job
+            .max_attempts
+            .unwrap_or(self.options().default_max_attempts);
+        if max_attempts < 1 {
+            return Err(Error::InvalidInput {
+                field: "max_attempts",
+                reason: format!("must be at least 1, got {max_attempts}"),
+            });
+        }
+        encoded.clear();
+        serde_json::to_writer(&mut *encoded, &job.payload)
+            .map_err(|e| Error::InvalidPayload(e.to_string()))?;
+        let limit = self.options().max_payload_bytes;
+        if encoded.len() > limit {
+            return Err(Error::PayloadTooLarge {
+                size: encoded.len(),
+                limit,
+            });
+        }
+        // jsonb refuses \u0000; say so before the database does, in our words. Look
+        // at the values, not the encoded text: there an escaped backslash followed by
+        // "u0000" (no NUL at all) looks the same.
+        if contains_nul(&job.payload) {
+            return Err(Error::InvalidPayload(
+                "a string contains NUL (\\u0000), which PostgreSQL jsonb cannot store".into(),
+            ));
+        }
+        Ok(max_attempts)
+    }
+
     fn columns(&self, jobs: Vec<NewJob>) -> Result<Columns> {
         let mut c = Columns::default();
+        let mut encoded = Vec::new();
         for job in jobs {
-            check_name("queue", &job.queue)?;
-            check_name("kind", &job.kind)?;
-            if let Some(key) = &job.key {
-                check_name("key", key)?;
-            }
-            let max_attempts = job
-                .max_attempts
-                .unwrap_or(self.options().default_max_attempts);
-            if max_attempts < 1 {
-                return Err(Error::InvalidInput {
-                    field: "max_attempts",
-                    reason: format!("must be at least 1, got {max_attempts}"),
-                });
-            }
-            let encoded = serde_json::to_string(&job.payload)
-                .map_err(|e| Error::InvalidPayload(e.to_string()))?;
-            let limit = self.options().max_payload_bytes;
-            if encoded.len() > limit {
-                return Err(Error::PayloadTooLarge {
-                    size: encoded.len(),
-                    limit,
-                });
-            }
-            // jsonb refuses \u0000; say so before the database does, in our words. Look
-            // at the values, not the encoded text: there an escaped backslash followed by
-            // "u0000" (no NUL at all) looks the same.
-            if contains_nul(&job.payload) {
-                return Err(Error::InvalidPayload(
-                    "a string contains NUL (\\u0000), which PostgreSQL jsonb cannot store".into(),
-                ));
-            }
+            let max_attempts = self.check_job(&job, &mut encoded)?;
             c.queue.push(job.queue);
             c.kind.push(job.kind);
             c.key.push(job.key);

@@ -8,42 +8,84 @@
 //! would read the statement's older snapshot and could leave that successor waiting
 //! forever. Under REPEATABLE READ the first statement fails with a serialization error
 //! instead, which is safe: the caller retries.
+//!
+//! The promotion may also claim the successor for the scheduler that ended its
+//! predecessor (see [`Chain`]): waiting → running in that same transaction, with a new
+//! generation and lease, exactly as a claim would. The key's order is untouched (it is
+//! the same successor), and the key's next job needs no claim statement of its own.
 
-use sqlx::PgConnection;
+use std::time::Duration;
 
-use super::Store;
+use sqlx::{PgConnection, Row};
+
+use super::claim::claimed_from_row;
+use super::{secs, Store};
 use crate::error::Result;
+use crate::job::{ClaimedJob, OwnerId};
 
+/// Key rows are locked in (queue, key) order first, the order a batched enqueue takes
+/// them in: an UPDATE joined to its input locks in whatever order the join runs, and
+/// two batches crossing each other's keys would deadlock.
 pub(super) const LEAVE_KEYS: &str = r#"/* leasehold:leave_keys */
+WITH d AS (
+    SELECT queue, job_key, count(*) AS n
+    FROM unnest($1::text[], $2::text[]) AS t(queue, job_key)
+    GROUP BY queue, job_key
+), locked AS MATERIALIZED (
+    SELECT jk.queue, jk.job_key
+    FROM {s}.job_keys jk JOIN d ON jk.queue = d.queue AND jk.job_key = d.job_key
+    ORDER BY jk.queue, jk.job_key
+    FOR UPDATE OF jk
+)
 UPDATE {s}.job_keys jk
 SET open_jobs = jk.open_jobs - d.n
-FROM (SELECT queue, job_key, count(*) AS n
-        FROM unnest($1::text[], $2::text[]) AS t(queue, job_key)
-       GROUP BY queue, job_key
-       ORDER BY queue, job_key) d
-WHERE jk.queue = d.queue AND jk.job_key = d.job_key"#;
+FROM d, (SELECT count(*) AS n FROM locked) all_locked
+WHERE jk.queue = d.queue AND jk.job_key = d.job_key AND all_locked.n >= 0"#;
 
 pub(super) const PROMOTE: &str = r#"/* leasehold:promote */
 WITH nxt AS (
-    SELECT w.id
-    FROM (SELECT DISTINCT queue, job_key FROM unnest($1::text[], $2::text[]) AS t(queue, job_key)) t
+    SELECT w.id, w.available_at, w.kind, t.chain
+    FROM (SELECT queue, job_key, bool_or(chain) AS chain
+            FROM unnest($1::text[], $2::text[], $5::bool[]) AS t(queue, job_key, chain)
+           GROUP BY queue, job_key) t
     CROSS JOIN LATERAL (
-        SELECT id FROM {s}.jobs
+        SELECT id, available_at, kind FROM {s}.jobs
         WHERE queue = t.queue AND job_key = t.job_key AND state = 'waiting'
         ORDER BY key_seq
         LIMIT 1
     ) w
+), c AS (
+    SELECT id, coalesce(chain AND available_at <= now() AND kind = ANY($7), false) AS taken
+    FROM nxt
 ), u AS (
     UPDATE {s}.jobs j
-    SET state = 'pending', available_at = greatest(j.available_at, now())
-    FROM nxt WHERE j.id = nxt.id AND j.state = 'waiting'
-    RETURNING j.id, j.generation, j.queue
+    SET state = CASE WHEN c.taken THEN 'running' ELSE 'pending' END,
+        available_at = greatest(j.available_at, now()),
+        owner = CASE WHEN c.taken THEN $6 ELSE j.owner END,
+        generation = j.generation + CASE WHEN c.taken THEN 1 ELSE 0 END,
+        attempts = j.attempts + CASE WHEN c.taken THEN 1 ELSE 0 END,
+        claimed_at = CASE WHEN c.taken THEN now() ELSE j.claimed_at END,
+        lease_until = CASE WHEN c.taken THEN now() + make_interval(secs => $8) END
+    FROM c WHERE j.id = c.id AND j.state = 'waiting'
+    RETURNING __RETURNED__, c.taken
 ), ev AS (
-    INSERT INTO {s}.job_events (job_id, generation, event, at)
-    SELECT id, generation, 'promoted', now() FROM u WHERE $3
+    INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
+    SELECT id, generation - taken::int, 'promoted', NULL, now() FROM u WHERE $3
+    UNION ALL
+    SELECT id, generation, 'claimed', $6, now() FROM u WHERE $3 AND taken
 )
-SELECT id, (SELECT count(pg_notify($4, left(q.queue, 1000))) FROM (SELECT DISTINCT queue FROM u) q) AS notified
-FROM u"#;
+SELECT j.*,
+       (SELECT count(pg_notify($4, left(q.queue, 1000)))
+          FROM (SELECT DISTINCT queue FROM u WHERE NOT taken) q) AS notified
+FROM u j"#;
+
+/// Claim the promoted successors too, for the scheduler whose sequencers wait for them.
+pub(crate) struct Chain<'a> {
+    pub owner: &'a OwnerId,
+    /// Kinds this scheduler runs; a successor of another kind is only promoted.
+    pub kinds: &'a [String],
+    pub lease: Duration,
+}
 
 /// A (queue, key) pair.
 pub(crate) type KeyRef = (String, String);
@@ -53,20 +95,64 @@ impl Store {
     /// policy): release their places and promote each key's next waiting job. Must run
     /// inside the transaction that ended them.
     pub(crate) async fn end_heads(&self, conn: &mut PgConnection, keys: &[KeyRef]) -> Result<()> {
+        let no_chain = vec![false; keys.len()];
+        self.end_heads_chained(conn, keys, &no_chain, None).await?;
+        Ok(())
+    }
+
+    /// [`Store::end_heads`], and where `chain[i]` is set, claim key `i`'s promoted
+    /// successor for `chain.owner` in the same statement (when it is due and of a kind
+    /// the owner runs), instead of leaving it pending for a separate claim: a key's next
+    /// job then costs no statement of its own. Returns the successors claimed.
+    pub(crate) async fn end_heads_chained(
+        &self,
+        conn: &mut PgConnection,
+        keys: &[KeyRef],
+        chain_wanted: &[bool],
+        chain: Option<&Chain<'_>>,
+    ) -> Result<Vec<ClaimedJob>> {
         if keys.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         self.leave_keys(conn, keys).await?;
+        self.promote_chained(conn, keys, chain_wanted, chain).await
+    }
+
+    /// The promotion half of [`Store::end_heads_chained`], for a caller whose own
+    /// statement already left the keys (and so holds their rows' locks).
+    pub(crate) async fn promote_chained(
+        &self,
+        conn: &mut PgConnection,
+        keys: &[KeyRef],
+        chain_wanted: &[bool],
+        chain: Option<&Chain<'_>>,
+    ) -> Result<Vec<ClaimedJob>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
         let (queues, names): (Vec<&str>, Vec<&str>) =
             keys.iter().map(|(q, k)| (q.as_str(), k.as_str())).unzip();
-        sqlx::query(&self.sql().promote)
+        let wanted: Vec<bool> = chain_wanted.iter().map(|w| *w && chain.is_some()).collect();
+        let rows = sqlx::query(&self.sql().promote)
             .bind(&queues)
             .bind(&names)
             .bind(self.options().full_history)
             .bind(self.schema().channel())
-            .execute(&mut *conn)
+            .bind(&wanted)
+            .bind(chain.map(|c| c.owner.as_str()))
+            .bind(chain.map(|c| c.kinds))
+            .bind(chain.map(|c| secs(c.lease)).unwrap_or(0.0))
+            .fetch_all(&mut *conn)
             .await?;
-        Ok(())
+        let mut claimed = Vec::new();
+        if let Some(c) = chain {
+            for row in &rows {
+                if row.try_get::<bool, _>("taken")? {
+                    claimed.push(claimed_from_row(row, c.owner)?);
+                }
+            }
+        }
+        Ok(claimed)
     }
 
     /// Jobs of these keys ended without being heads (a cancelled waiting job): they no

@@ -12,6 +12,7 @@
 mod admin;
 mod claim;
 mod complete;
+mod copy;
 mod effects;
 mod enqueue;
 pub(crate) use enqueue::check_name;
@@ -31,6 +32,7 @@ pub use admin::PruneReport;
 pub use claim::ClaimRequest;
 pub use complete::Failure;
 pub use effects::{EffectRecord, RecordOutcome};
+pub(crate) use keys::Chain;
 pub use lease::RenewReport;
 pub use migrate::SCHEMA_VERSION;
 pub use reap::ReapReport;
@@ -152,11 +154,16 @@ impl Store {
 /// connection and reuses it, so the hot path never re-parses.
 pub(crate) struct Statements {
     pub enqueue: String,
+    pub enqueue_copy: String,
+    pub enqueue_copy_at: String,
+    pub enqueue_copy_notify: String,
     pub claim: String,
+    pub claim_unbudgeted: String,
     pub claim_key: String,
     pub renew: String,
     pub complete: String,
     pub complete_many: String,
+    pub complete_unkeyed: String,
     pub completion_readback: String,
     pub fail: String,
     pub release: String,
@@ -171,16 +178,21 @@ impl Statements {
     fn render(s: &Schema) -> Self {
         Statements {
             enqueue: s.render(enqueue::ENQUEUE),
+            enqueue_copy: s.render(&copy::copy_statement(false)),
+            enqueue_copy_at: s.render(&copy::copy_statement(true)),
+            enqueue_copy_notify: s.render(copy::COPY_NOTIFY),
             claim: s.render(&claim::with_returned(claim::CLAIM)),
+            claim_unbudgeted: s.render(&claim::unbudgeted(&claim::with_returned(claim::CLAIM))),
             claim_key: s.render(&claim::with_returned(claim::CLAIM_KEY)),
             renew: s.render(lease::RENEW),
             complete: s.render(complete::COMPLETE),
             complete_many: s.render(complete::COMPLETE_MANY),
+            complete_unkeyed: s.render(complete::COMPLETE_UNKEYED),
             completion_readback: s.render(complete::COMPLETION_READBACK),
             fail: s.render(complete::FAIL),
             release: s.render(complete::RELEASE),
             leave_keys: s.render(keys::LEAVE_KEYS),
-            promote: s.render(keys::PROMOTE),
+            promote: s.render(&claim::with_returned(keys::PROMOTE)),
             reap: s.render(reap::REAP),
             effect_record: s.render(effects::RECORD),
             effect_lookup: s.render(effects::LOOKUP),

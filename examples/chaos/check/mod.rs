@@ -1,0 +1,178 @@
+//! The offline checker: a pure function of the artifact directory.
+//!
+//!     cargo run --example chaos -- check target/chaos/<seed>
+//!
+//! It reads the database dump (`db/`: jobs, job_events, lease_expiries, the effect
+//! ledger), the effect server's log, the workers' histories and metrics, the enqueue
+//! log and the fault log ([`input`]), checks the invariants listed in [`INVARIANTS`]
+//! ([`jobs`], [`effects`], [`leases`]) and renders the report ([`report`]). Each
+//! violation is printed with a witness: the job id and what was seen.
+
+mod effects;
+mod input;
+mod jobs;
+mod leases;
+mod report;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+pub use input::Input;
+
+/// Every invariant, in report order, with what a violation means.
+pub const INVARIANTS: [(&str, &str); 20] = [
+    ("lost", "an acknowledged enqueue has no row"),
+    ("unexpected", "a row no enqueue asked for"),
+    ("stuck", "pending, waiting or running after the drain"),
+    (
+        "missing_reason",
+        "dead or cancelled without a recorded reason",
+    ),
+    (
+        "effect_applied_twice",
+        "an effect (key, or job+step) applied more than once at the server",
+    ),
+    (
+        "effect_key_unstable",
+        "an effect key that is not <job>/<step>",
+    ),
+    (
+        "effect_missing",
+        "a done job whose effect step was never applied",
+    ),
+    (
+        "stale_token_accepted",
+        "a lower generation accepted after a higher one, or a ledger row outside its generation",
+    ),
+    (
+        "stale_completion",
+        "a completion or result not from the latest claim's generation",
+    ),
+    (
+        "generation_order",
+        "generation decreased, or a claim did not take generation + 1",
+    ),
+    (
+        "unexplained_reclaim",
+        "a re-claim with no recorded expiry, failure, release or retry before it",
+    ),
+    (
+        "key_order",
+        "the first applies of a key's jobs not in key_seq order",
+    ),
+    ("key_overlap", "two live leases on one key"),
+    (
+        "attempt_limit",
+        "more attempts than max_attempts, or dead before they were spent",
+    ),
+    ("held_claimed", "a job claimed while held"),
+    (
+        "backoff",
+        "a retry claimed before its backoff passed (database clock)",
+    ),
+    (
+        "lease_lost_while_healthy",
+        "a lease expired with no fault to explain it (renewal failed)",
+    ),
+    (
+        "liveness",
+        "no throughput after the faults, probe jobs late, or the drain did not finish",
+    ),
+    ("bad_input", "bad input not contained as specified"),
+    ("coverage", "a fault kind or guarded path never hit"),
+];
+
+pub struct Report {
+    pub text: String,
+    pub pass: bool,
+}
+
+/// Violations found so far, by invariant, each with its witness.
+#[derive(Default)]
+pub struct Findings {
+    violations: BTreeMap<&'static str, Vec<String>>,
+}
+
+impl Findings {
+    pub fn add(&mut self, inv: &'static str, witness: String) {
+        debug_assert!(INVARIANTS.iter().any(|(k, _)| *k == inv), "{inv}");
+        self.violations.entry(inv).or_default().push(witness);
+    }
+
+    pub fn count(&self, inv: &str) -> usize {
+        self.violations.get(inv).map(Vec::len).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    pub fn witnesses(&self, inv: &str) -> Option<&Vec<String>> {
+        self.violations.get(inv)
+    }
+}
+
+/// Figures for the report, gathered while checking.
+#[derive(Default)]
+pub struct Stats {
+    pub acked: u64,
+    pub unknown: u64,
+    pub refused: u64,
+    pub recovered: u64,
+    pub claims: u64,
+    pub reruns_explained: u64,
+    pub reruns_unexplained: u64,
+    pub events: BTreeMap<String, u64>,
+    pub ledger_reused: u64,
+    pub already: u64,
+    pub fenced: u64,
+    pub duplicates_at_server: u64,
+    pub expiries_race: u64,
+    pub expiries_explained: u64,
+    pub completed_after_heal: u64,
+    pub probe_max_ms: i64,
+    /// kind → (attempted, hit)
+    pub fault_hits: BTreeMap<String, (u64, u64)>,
+    pub guarded: Vec<(&'static str, u64)>,
+}
+
+impl Stats {
+    pub fn event(&self, name: &str) -> u64 {
+        self.events.get(name).copied().unwrap_or(0)
+    }
+}
+
+pub fn main(args: &[String]) -> ! {
+    let Some(dir) = args.first() else {
+        eprintln!("usage: chaos check <artifact dir>");
+        std::process::exit(2)
+    };
+    match check(Path::new(dir)) {
+        Ok(r) => {
+            print!("{}", r.text);
+            std::process::exit(if r.pass { 0 } else { 1 })
+        }
+        Err(e) => {
+            eprintln!("chaos check: {e}");
+            std::process::exit(2)
+        }
+    }
+}
+
+/// Check the artifacts in `dir`; also writes `report.json` there.
+pub fn check(dir: &Path) -> Result<Report, String> {
+    let input = Input::load(dir)?;
+    let mut f = Findings::default();
+    let mut s = Stats::default();
+    jobs::enqueues(&input, &mut f, &mut s);
+    jobs::histories(&input, &mut f, &mut s);
+    jobs::results(&input, &mut f, &mut s);
+    jobs::bad_input(&input, &mut f);
+    effects::check(&input, &mut f, &mut s);
+    leases::expiries(&input, &mut f, &mut s);
+    leases::liveness(&input, &mut f, &mut s);
+    leases::coverage(&input, &mut f, &mut s);
+    let report = report::render(&input, &f, &s);
+    let _ = crate::model::write_json(&dir.join("report.json"), &report::summary(&input, &f, &s));
+    Ok(report)
+}

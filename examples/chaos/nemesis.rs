@@ -1,0 +1,533 @@
+//! The nemesis: a fault schedule drawn from the seed, applied during the fault phase.
+//!
+//! The schedule opens with every fault kind once (in a seeded order), then draws from
+//! a weighted menu. Faults on one worker never overlap, at least one worker is always
+//! left running, and only one database-wide fault runs at a time. A fault that found
+//! nothing to hit (no listener connected at that moment, no holdable job) is retried
+//! until its kind has been hit once: a run that misses a kind fails the check.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold::{JobId, OwnerId};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::Rng;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::harness::{Harness, WorkerSlot};
+use crate::model::{now_us, FaultRecord};
+use crate::procs;
+use crate::proxy::Mode;
+
+/// Every fault kind with its weight in the random part of the schedule.
+pub const FAULTS: [(&str, u32); 15] = [
+    ("sigkill", 10),
+    ("sigstop", 12),
+    ("sigterm", 5),
+    ("pg_terminate_worker", 10),
+    ("pg_terminate_listener", 6),
+    ("pg_restart_fast", 3),
+    ("pg_restart_immediate", 3),
+    ("proxy_delay", 8),
+    ("proxy_blackhole", 8),
+    ("proxy_blackhole_renewer", 10),
+    ("proxy_cut", 8),
+    ("reaper_race", 6),
+    ("effect_reply_lost", 6),
+    ("manual_hold", 6),
+    ("manual_cancel", 6),
+];
+
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub gap_ms: u64,
+    pub kind: &'static str,
+    pub target: usize,
+    pub dur_ms: u64,
+    pub n: u64,
+}
+
+/// The schedule for a seed (as long as any profile can use).
+pub fn plan(rng: &mut StdRng, lease_ms: u64, gap: (u64, u64), len: usize) -> Vec<Planned> {
+    let mut kinds: Vec<&'static str> = FAULTS.iter().map(|f| f.0).collect();
+    kinds.shuffle(rng);
+    let total: u32 = FAULTS.iter().map(|f| f.1).sum();
+    while kinds.len() < len {
+        let mut x = rng.gen_range(0..total);
+        for (k, w) in FAULTS {
+            if x < w {
+                kinds.push(k);
+                break;
+            }
+            x -= w;
+        }
+    }
+    let lease = lease_ms as f64;
+    kinds
+        .into_iter()
+        .map(|kind| {
+            let (dur_ms, n) = match kind {
+                "sigstop" | "proxy_blackhole" => ((lease * rng.gen_range(1.5..2.5)) as u64, 0),
+                // n = 1: every worker's renewer at once (a stall of all renewals).
+                "proxy_blackhole_renewer" => (
+                    (lease * rng.gen_range(1.5..2.5)) as u64,
+                    rng.gen_bool(0.4) as u64,
+                ),
+                "proxy_delay" => (rng.gen_range(1500..3000), rng.gen_range(30..250)),
+                "sigkill" => (0, rng.gen_range(200..800)),
+                "reaper_race" => (1500, 0),
+                "effect_reply_lost" => (0, rng.gen_range(2..5)),
+                "manual_hold" => (rng.gen_range(500..3000), 4),
+                "manual_cancel" => (0, 3),
+                "pg_terminate_worker" => (0, rng.gen_range(1..4)),
+                "proxy_cut" => (0, rng.gen_bool(0.3) as u64),
+                _ => (0, 0),
+            };
+            Planned {
+                gap_ms: rng.gen_range(gap.0..gap.1),
+                kind,
+                target: rng.gen_range(0..1000),
+                dur_ms,
+                n,
+            }
+        })
+        .collect()
+}
+
+/// Run the schedule until `phase_end`. Returns the tasks still healing (SIGCONT, end
+/// of a blackhole...), for the caller to await.
+pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) -> Vec<JoinHandle<()>> {
+    let schedule = plan(&mut rng, h.profile.lease_ms, h.profile.gap_ms, 20_000);
+    let mut background = Vec::new();
+    // Faults that found nothing to hit, retried (interleaved with the schedule, a few
+    // times each) until their kind has been hit once.
+    let mut retry: VecDeque<(Planned, u32)> = VecDeque::new();
+    let mut planned = schedule.into_iter();
+    let mut turn = 0u64;
+    // Let the workers come up and the queue fill first.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    while Instant::now() < phase_end {
+        turn += 1;
+        let (p, tries) = match (turn % 2 == 0).then(|| retry.pop_front()).flatten() {
+            Some(r) => r,
+            None => match planned.next() {
+                Some(p) => (p, 0),
+                None => break,
+            },
+        };
+        tokio::time::sleep(Duration::from_millis(p.gap_ms)).await;
+        let hits = |h: &Harness| {
+            h.fault_counts
+                .lock()
+                .unwrap()
+                .get(p.kind)
+                .map(|c| c.1)
+                .unwrap_or(0)
+        };
+        match inject(&h, &p, &mut rng).await {
+            Some(task) => background.push(task),
+            None => {
+                if hits(&h) == 0 && tries < 3 {
+                    retry.push_back((p.clone(), tries + 1));
+                }
+            }
+        }
+        background.retain(|t: &JoinHandle<()>| !t.is_finished());
+    }
+    background
+}
+
+fn record(h: &Harness, kind: &str, target: String, start_us: i64, hit: bool, detail: String) {
+    if std::env::var("CHAOS_QUIET").is_err() {
+        println!("chaos: fault {kind:<22} {target:<4} hit={hit} {detail}",);
+    }
+    h.record_fault(FaultRecord {
+        kind: kind.into(),
+        target,
+        start_us,
+        end_us: now_us(),
+        hit,
+        detail,
+    });
+}
+
+/// Pick an idle worker and mark it busy. `stopping`: the fault takes the worker out, so
+/// at least one other worker must stay up.
+async fn pick(h: &Harness, target: usize, stopping: bool) -> Option<Arc<WorkerSlot>> {
+    for _ in 0..25 {
+        let busy = h.slots.iter().filter(|s| s.busy.load(SeqCst)).count();
+        if !(stopping && busy + 1 >= h.slots.len()) {
+            let idle: Vec<_> = h
+                .slots
+                .iter()
+                .filter(|s| !s.busy.load(SeqCst) && s.proc.lock().unwrap().is_some())
+                .collect();
+            if !idle.is_empty() {
+                let s = idle[target % idle.len()].clone();
+                if s.busy.compare_exchange(false, true, SeqCst, SeqCst).is_ok() {
+                    return Some(s);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    None
+}
+
+fn pid_of(slot: &WorkerSlot) -> Option<u32> {
+    slot.proc.lock().unwrap().as_ref().map(|r| r.child.id())
+}
+
+/// Apply one fault. Long faults return their healing task.
+async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinHandle<()>> {
+    let start = now_us();
+    let kind = p.kind;
+    match kind {
+        "sigkill" => {
+            let slot = pick(h, p.target, true).await?;
+            let hit = h
+                .stop_worker(&slot, libc::SIGKILL, "killed", Duration::from_secs(5))
+                .await;
+            tokio::time::sleep(Duration::from_millis(p.n)).await;
+            let restarted = h.start_worker(&slot);
+            slot.busy.store(false, SeqCst);
+            record(
+                h,
+                kind,
+                format!("w{}", slot.id),
+                start,
+                hit,
+                format!("restarted after {}ms: {restarted:?}", p.n),
+            );
+            None
+        }
+        "sigterm" => {
+            // Mid-job: prefer a worker running a long job, so shutdown has to release it.
+            let owners: Vec<String> = sqlx::query_scalar(
+                "SELECT owner FROM leasehold.jobs WHERE state = 'running' AND kind = 'slow'",
+            )
+            .fetch_all(&h.admin)
+            .await
+            .unwrap_or_default();
+            let preferred = h
+                .slots
+                .iter()
+                .position(|s| h.owner_of(s).map(|o| owners.contains(&o)).unwrap_or(false));
+            let slot = pick(h, preferred.unwrap_or(p.target), true).await?;
+            let had_slow = h
+                .owner_of(&slot)
+                .map(|o| owners.contains(&o))
+                .unwrap_or(false);
+            let limit = Duration::from_millis(1000 + h.profile.lease_ms + 8000);
+            let hit = h
+                .stop_worker(&slot, libc::SIGTERM, "terminated", limit)
+                .await;
+            let restarted = h.start_worker(&slot);
+            slot.busy.store(false, SeqCst);
+            record(
+                h,
+                kind,
+                format!("w{}", slot.id),
+                start,
+                hit,
+                format!("slow job running: {had_slow}; restarted: {restarted:?}"),
+            );
+            None
+        }
+        "proxy_blackhole_renewer" if p.n == 1 => {
+            let h = h.clone();
+            let p = p.clone();
+            Some(tokio::spawn(async move {
+                for slot in &h.slots {
+                    slot.proxy.partition_app(Some("leasehold-renewer"));
+                }
+                tokio::time::sleep(Duration::from_millis(p.dur_ms)).await;
+                for slot in &h.slots {
+                    slot.proxy.partition_app(None);
+                }
+                let detail = format!(
+                    "every renewer, {}ms (lease {}ms)",
+                    p.dur_ms, h.profile.lease_ms
+                );
+                record(&h, p.kind, "all".into(), start, true, detail);
+            }))
+        }
+        "sigstop" | "proxy_blackhole" | "proxy_blackhole_renewer" | "proxy_delay" => {
+            let slot = pick(h, p.target, kind != "proxy_delay").await?;
+            let h = h.clone();
+            let p = p.clone();
+            Some(tokio::spawn(async move {
+                let pid = pid_of(&slot);
+                let hit = match p.kind {
+                    "sigstop" => pid
+                        .map(|pid| procs::signal(pid, libc::SIGSTOP))
+                        .unwrap_or(false),
+                    "proxy_blackhole" => {
+                        slot.proxy.set(Mode::Blackhole);
+                        true
+                    }
+                    // A partial partition: the worker claims and completes, but its
+                    // renewals hang, so its leases expire while it believes it owns them.
+                    "proxy_blackhole_renewer" => {
+                        slot.proxy.partition_app(Some("leasehold-renewer"));
+                        true
+                    }
+                    _ => {
+                        slot.proxy.set(Mode::Delay(p.n));
+                        true
+                    }
+                };
+                tokio::time::sleep(Duration::from_millis(p.dur_ms)).await;
+                match p.kind {
+                    "sigstop" => {
+                        if let Some(pid) = pid {
+                            procs::signal(pid, libc::SIGCONT);
+                        }
+                    }
+                    _ => {
+                        slot.proxy.set(Mode::Pass);
+                        slot.proxy.partition_app(None);
+                    }
+                }
+                slot.busy.store(false, SeqCst);
+                let detail = if p.kind == "proxy_delay" {
+                    format!("{}ms per chunk for {}ms", p.n, p.dur_ms)
+                } else {
+                    format!("{}ms (lease {}ms)", p.dur_ms, h.profile.lease_ms)
+                };
+                record(&h, p.kind, format!("w{}", slot.id), start, hit, detail);
+            }))
+        }
+        "pg_terminate_worker" | "pg_terminate_listener" => {
+            let _g = h.pg_lock.lock().await;
+            let sql = if kind == "pg_terminate_listener" {
+                "SELECT pid FROM pg_stat_activity WHERE datname = 'chaos' AND application_name = 'leasehold-listener'"
+            } else {
+                "SELECT pid FROM pg_stat_activity WHERE datname = 'chaos' AND pid <> pg_backend_pid() \
+                 AND (application_name LIKE 'chaos-w%' OR application_name IN ('leasehold-renewer', 'leasehold-reaper'))"
+            };
+            let mut pids: Vec<i32> = sqlx::query_scalar(sql)
+                .fetch_all(&h.admin)
+                .await
+                .unwrap_or_default();
+            pids.shuffle(rng);
+            let n = if kind == "pg_terminate_listener" {
+                1
+            } else {
+                p.n.max(1) as usize
+            };
+            let mut killed = 0;
+            for pid in pids.iter().take(n) {
+                let ok: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .fetch_one(&h.admin)
+                    .await
+                    .unwrap_or(false);
+                killed += ok as u32;
+            }
+            record(
+                h,
+                kind,
+                "pg".into(),
+                start,
+                killed > 0,
+                format!("{killed} of {} backends", pids.len()),
+            );
+            None
+        }
+        "pg_restart_fast" | "pg_restart_immediate" => {
+            let _g = h.pg_lock.lock().await;
+            let mode = if kind == "pg_restart_fast" {
+                "fast"
+            } else {
+                "immediate"
+            };
+            let c = h.cluster.clone();
+            let res = tokio::task::spawn_blocking(move || c.restart(mode))
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()));
+            let detail = match &res {
+                Ok(d) => format!("down for {}ms", d.as_millis()),
+                Err(e) => format!("restart failed: {e}"),
+            };
+            if let Err(e) = &res {
+                // Bring it back whatever happened: the run cannot continue without it.
+                eprintln!("chaos: {e}; starting PostgreSQL again");
+                let c = h.cluster.clone();
+                let _ = tokio::task::spawn_blocking(move || c.start()).await;
+            }
+            record(h, kind, "pg".into(), start, res.is_ok(), detail);
+            None
+        }
+        "proxy_cut" => {
+            let mut cut = 0;
+            let target = if p.n == 1 {
+                for s in &h.slots {
+                    cut += s.proxy.cut();
+                }
+                "all".to_string()
+            } else {
+                let s = &h.slots[p.target % h.slots.len()];
+                cut += s.proxy.cut();
+                format!("w{}", s.id)
+            };
+            record(
+                h,
+                kind,
+                target,
+                start,
+                cut > 0,
+                format!("{cut} connections cut"),
+            );
+            None
+        }
+        "reaper_race" => {
+            let _g = h.pg_lock.lock().await;
+            let owner = OwnerId::named("chaos-reaper-race");
+            let prof = &h.profile;
+            let backoff = leasehold::Backoff {
+                base: Duration::from_millis(prof.backoff_base_ms),
+                cap: Duration::from_millis(prof.backoff_cap_ms),
+                jitter: prof.jitter,
+            };
+            let ahead = chrono::Duration::milliseconds((prof.lease_ms * 4 / 5) as i64);
+            let until = Instant::now() + Duration::from_millis(p.dur_ms.max(500));
+            let (mut reaped, mut errors) = (0, 0);
+            while Instant::now() < until {
+                let at = chrono::Utc::now() + ahead;
+                match h.store.reap(&owner, &backoff, 20, Some(at)).await {
+                    Ok(r) => reaped += r.retried.len() + r.dead.len(),
+                    Err(_) => errors += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            record(h, kind, "all".into(), start, reaped > 0, format!("reaper with its clock {}ms ahead reaped {reaped} live leases ({errors} errors)", ahead.num_milliseconds()));
+            None
+        }
+        "effect_reply_lost" => {
+            let before = h.effects.stats().replies_dropped;
+            h.effects.drop_replies(p.n);
+            let until = Instant::now() + Duration::from_secs(3);
+            while h.effects.stats().replies_dropped == before && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let dropped = h.effects.stats().replies_dropped - before;
+            record(
+                h,
+                kind,
+                "effects".into(),
+                start,
+                dropped > 0,
+                format!("armed {}, dropped {dropped} so far", p.n),
+            );
+            None
+        }
+        "manual_hold" => {
+            let candidates: Vec<i64> = h
+                .seen
+                .lock()
+                .unwrap()
+                .delayed
+                .iter()
+                .rev()
+                .take(30)
+                .copied()
+                .collect();
+            let chosen: Vec<i64> = candidates
+                .choose_multiple(rng, p.n as usize)
+                .copied()
+                .collect();
+            let mut held = Vec::new();
+            for id in chosen {
+                let r = tokio::time::timeout(Duration::from_secs(5), h.store.hold(JobId(id))).await;
+                if matches!(r, Ok(Ok(()))) {
+                    held.push(id);
+                }
+            }
+            record(
+                h,
+                kind,
+                "jobs".into(),
+                start,
+                !held.is_empty(),
+                format!("held {held:?}; release after {}ms", p.dur_ms),
+            );
+            let h2 = h.clone();
+            let after = p.dur_ms;
+            Some(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(after)).await;
+                let start = now_us();
+                let mut released = 0;
+                for id in &held {
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        h2.store.release_hold(JobId(*id)),
+                    )
+                    .await;
+                    released += matches!(r, Ok(Ok(()))) as u32;
+                }
+                if !held.is_empty() {
+                    record(
+                        &h2,
+                        "manual_release",
+                        "jobs".into(),
+                        start,
+                        released > 0,
+                        format!("released {released} of {}", held.len()),
+                    );
+                }
+            }))
+        }
+        "manual_cancel" => {
+            let candidates: Vec<i64> = h
+                .seen
+                .lock()
+                .unwrap()
+                .recent
+                .iter()
+                .rev()
+                .take(200)
+                .copied()
+                .collect();
+            let chosen: Vec<i64> = candidates
+                .choose_multiple(rng, p.n as usize)
+                .copied()
+                .collect();
+            let mut cancelled = Vec::new();
+            for id in chosen {
+                let r = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    h.store.cancel(JobId(id), "chaos operator cancel"),
+                )
+                .await;
+                if matches!(r, Ok(Ok(()))) {
+                    cancelled.push(id);
+                }
+            }
+            record(
+                h,
+                kind,
+                "jobs".into(),
+                start,
+                !cancelled.is_empty(),
+                format!("cancelled {cancelled:?}"),
+            );
+            None
+        }
+        other => {
+            record(
+                h,
+                other,
+                "-".into(),
+                start,
+                false,
+                "unknown fault kind".into(),
+            );
+            None
+        }
+    }
+}

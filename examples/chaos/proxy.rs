@@ -1,0 +1,178 @@
+//! Loopback TCP proxy between one worker and PostgreSQL, with injectable faults:
+//! `delay` (each forwarded chunk waits), `blackhole` (nothing is forwarded either way,
+//! sockets stay open: a partition), a partial blackhole of the connections of one
+//! `application_name` (read from the startup packet; e.g. only the lease renewer's
+//! connection is partitioned while claims and completions go through) and `cut` (every
+//! open connection is closed).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Pass,
+    Delay(u64),
+    Blackhole,
+}
+
+pub struct Proxy {
+    pub port: u16,
+    mode: watch::Sender<Mode>,
+    /// Connections whose application_name is this are blackholed.
+    partial: watch::Sender<Option<String>>,
+    cuts: watch::Sender<u64>,
+    open: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Proxy {
+    pub async fn start(upstream_port: u16) -> std::io::Result<Proxy> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let (mode, mode_rx) = watch::channel(Mode::Pass);
+        let (partial, partial_rx) = watch::channel(None);
+        let (cuts, cuts_rx) = watch::channel(0u64);
+        let open = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let open2 = open.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let (m, c, o) = (mode_rx.clone(), cuts_rx.clone(), open2.clone());
+                let pm = partial_rx.clone();
+                tokio::spawn(async move {
+                    o.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let _ = relay(client, upstream_port, m, pm, c).await;
+                    o.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                });
+            }
+        });
+        Ok(Proxy {
+            port,
+            mode,
+            partial,
+            cuts,
+            open,
+        })
+    }
+
+    pub fn set(&self, mode: Mode) {
+        let _ = self.mode.send(mode);
+    }
+
+    /// Blackhole only the connections opened with this application_name (None: heal).
+    pub fn partition_app(&self, app: Option<&str>) {
+        let _ = self.partial.send(app.map(str::to_string));
+    }
+
+    /// Close every open connection; returns how many were open.
+    pub fn cut(&self) -> u64 {
+        let n = self.open.load(std::sync::atomic::Ordering::SeqCst);
+        self.cuts.send_modify(|c| *c += 1);
+        n
+    }
+}
+
+async fn relay(
+    mut client: TcpStream,
+    upstream_port: u16,
+    mode: watch::Receiver<Mode>,
+    partial: watch::Receiver<Option<String>>,
+    mut cuts: watch::Receiver<u64>,
+) -> std::io::Result<()> {
+    cuts.borrow_and_update();
+    // The startup packet (no SSLRequest: workers connect with sslmode=disable) names
+    // the connection's application_name.
+    let mut len = [0u8; 4];
+    client.read_exact(&mut len).await?;
+    let n = u32::from_be_bytes(len) as usize;
+    if !(8..=10_000).contains(&n) {
+        return Ok(());
+    }
+    let mut startup = vec![0u8; n - 4];
+    client.read_exact(&mut startup).await?;
+    let app = application_name(&startup);
+    let mut server = TcpStream::connect(("127.0.0.1", upstream_port)).await?;
+    client.set_nodelay(true)?;
+    server.set_nodelay(true)?;
+    server.write_all(&len).await?;
+    server.write_all(&startup).await?;
+    let (cr, cw) = client.into_split();
+    let (sr, sw) = server.into_split();
+    let gate = Gate { mode, partial, app };
+    tokio::select! {
+        _ = pump(cr, sw, gate.clone()) => {}
+        _ = pump(sr, cw, gate) => {}
+        _ = cuts.changed() => {}
+    }
+    Ok(())
+}
+
+/// `application_name` from a StartupMessage body (after the length).
+fn application_name(body: &[u8]) -> String {
+    let mut parts = body.get(4..).unwrap_or_default().split(|b| *b == 0);
+    while let Some(k) = parts.next() {
+        let v = parts.next().unwrap_or_default();
+        if k == b"application_name" {
+            return String::from_utf8_lossy(v).into_owned();
+        }
+    }
+    String::new()
+}
+
+/// Decides, per forwarded chunk, whether a connection may pass.
+#[derive(Clone)]
+struct Gate {
+    mode: watch::Receiver<Mode>,
+    partial: watch::Receiver<Option<String>>,
+    app: String,
+}
+
+impl Gate {
+    fn blocked(&mut self) -> bool {
+        *self.mode.borrow_and_update() == Mode::Blackhole
+            || self.partial.borrow_and_update().as_deref() == Some(self.app.as_str())
+    }
+
+    /// Wait until the connection may pass; then the delay to apply, if any.
+    async fn open(&mut self) -> std::io::Result<u64> {
+        while self.blocked() {
+            let gone = || std::io::Error::other("proxy gone");
+            tokio::select! {
+                r = self.mode.changed() => r.map_err(|_| gone())?,
+                r = self.partial.changed() => r.map_err(|_| gone())?,
+            }
+        }
+        Ok(match *self.mode.borrow() {
+            Mode::Delay(ms) => ms,
+            _ => 0,
+        })
+    }
+}
+
+async fn pump(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    mut gate: Gate,
+) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        gate.open().await?;
+        let n = r.read(&mut buf).await?;
+        if n == 0 {
+            let _ = w.shutdown().await;
+            return Ok(());
+        }
+        // Data read just before a blackhole began is held until it ends.
+        let delay = gate.open().await?;
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        w.write_all(&buf[..n]).await?;
+    }
+}
