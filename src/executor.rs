@@ -89,7 +89,7 @@ pub(crate) enum Successor {
     /// of a kind it does not run; a promoted one is pending and announced).
     NoneClaimable,
     /// Claimed in the completion's transaction, and counted as held.
-    Claimed(ClaimedJob),
+    Claimed(Box<ClaimedJob>),
 }
 
 /// [`execute_then`] for a key's sequencer: a completion also claims the key's successor in
@@ -357,7 +357,7 @@ async fn complete_via_batcher(
         Ok(Ok((outcome, next))) => {
             if let (Some(slot), CompleteOutcome::Completed) = (chain, &outcome) {
                 *slot.lock().unwrap_or_else(|p| p.into_inner()) = match next {
-                    Some(job) => Successor::Claimed(job),
+                    Some(job) => Successor::Claimed(Box::new(job)),
                     None => Successor::NoneClaimable,
                 };
             }

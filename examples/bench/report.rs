@@ -162,8 +162,8 @@ pub fn print_table(rows: &[Row]) {
         .unwrap_or(10)
         .max(10);
     println!(
-        "{:<w_name$}  {:>10}  {:>21}  {:<6}  {:>22}  {}",
-        "measure", "median", "spread (min-max)", "unit", "ratio", "target"
+        "{:<w_name$}  {:>10}  {:>21}  {:<6}  {:>22}  target",
+        "measure", "median", "spread (min-max)", "unit", "ratio"
     );
     let mut section = "";
     for r in rows {

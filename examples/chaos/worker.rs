@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use leasehold::{Backoff, Config, Handler, JobContext, JobError, Scheduler};
+use leasehold::{Backoff, Config, Handler, JobContext, JobError, RetryPolicy, Scheduler};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 
@@ -121,25 +121,28 @@ impl Options {
 
     pub fn config(&self) -> Config {
         let ms = Duration::from_millis;
-        let mut c = Config::default();
-        c.concurrency = self.concurrency;
-        c.lease = ms(self.lease_ms);
-        c.renew_interval = ms(self.renew_ms);
-        c.poll_interval_min = ms(20);
-        c.poll_interval_max = ms(400);
-        c.claim_batch_max = 16;
-        c.retry.max_attempts = 12;
-        c.retry.backoff = Backoff {
-            base: ms(self.backoff_base_ms),
-            cap: ms(self.backoff_cap_ms),
-            jitter: self.jitter,
-        };
-        c.max_run_time = ms(self.max_run_ms);
-        c.reaper_interval = ms(self.reaper_ms);
-        c.shutdown_grace = ms(1000);
-        c.effect_keep = Duration::from_secs(24 * 3600);
-        c.sequencer_idle = ms(2000);
-        c
+        Config {
+            concurrency: self.concurrency,
+            lease: ms(self.lease_ms),
+            renew_interval: ms(self.renew_ms),
+            poll_interval_min: ms(20),
+            poll_interval_max: ms(400),
+            claim_batch_max: 16,
+            retry: RetryPolicy {
+                max_attempts: 12,
+                backoff: Backoff {
+                    base: ms(self.backoff_base_ms),
+                    cap: ms(self.backoff_cap_ms),
+                    jitter: self.jitter,
+                },
+            },
+            max_run_time: ms(self.max_run_ms),
+            reaper_interval: ms(self.reaper_ms),
+            shutdown_grace: ms(1000),
+            effect_keep: Duration::from_secs(24 * 3600),
+            sequencer_idle: ms(2000),
+            ..Config::default()
+        }
     }
 }
 

@@ -17,8 +17,10 @@
 //! then written by the completer while the next claim runs; see [`super::Slots`]).
 //! Under load, a wake that finds fewer than half a batch of free slots waits up to
 //! [`COALESCE`] for more, so one statement serves many freed slots; an idle scheduler
-//! claims at once. A second statement may run alongside the first when half a batch or
-//! more is free ([`MAX_CLAIMS_IN_FLIGHT`]).
+//! claims at once. While the latest claim came back full (a backlog), a second statement
+//! may run alongside the first when half a batch or more is free
+//! ([`MAX_CLAIMS_IN_FLIGHT`]); otherwise wakes during a claim are served by one claim
+//! right after it, so a trickle of enqueues is claimed in batches, not one per NOTIFY.
 //!
 //! Unkeyed jobs run as tasks; keyed jobs go to their key's sequencer.
 //!
@@ -44,8 +46,8 @@ use crate::store::ClaimRequest;
 pub(crate) struct Wake;
 
 /// Slots were freed (a handler returned, a key moved on) or a successor was parked.
-/// Ignored while the latest claim found the queue empty: new work comes with a NOTIFY
-/// (or the next poll), so a freed slot alone is no reason to ask the database again.
+/// Ignored once a claim found fewer jobs than it had slots for: new work then comes with
+/// a NOTIFY (or the next poll), so a freed slot alone is no reason to ask again.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct SlotsFreed;
@@ -66,8 +68,12 @@ pub(crate) struct Claimer {
     next_tick: Option<SpawnHandle>,
     /// `next_tick` is a coalescing wait (see [`COALESCE`]), not a poll.
     coalescing: bool,
-    /// The latest claim came back empty (and none is in flight).
-    found_nothing: bool,
+    /// Work is probably waiting for slots: the latest claim came back full (or cut short
+    /// by the byte budget), found no free slot, or a NOTIFY came since. Freed slots
+    /// trigger a claim only then.
+    more_waiting: bool,
+    /// The latest claim came back full: more is probably waiting.
+    backlog: bool,
     meter: Arc<MailboxMeter>,
 }
 
@@ -93,7 +99,8 @@ impl Claimer {
             poll,
             next_tick: None,
             coalescing: false,
-            found_nothing: false,
+            more_waiting: true,
+            backlog: false,
             meter,
         }
     }
@@ -123,9 +130,12 @@ impl Claimer {
         let cfg = &self.env.config;
         let free = self.env.slots.free();
         let half_batch = cfg.claim_batch_max.min(cfg.concurrency).div_ceil(2);
-        // A second statement alongside the first only for half a batch or more; anything
-        // less waits for the first to return.
-        if self.claiming >= MAX_CLAIMS_IN_FLIGHT || (self.claiming > 0 && free < half_batch) {
+        // A second statement alongside the first only while there is a backlog (the last
+        // claim came back full) and for half a batch or more; otherwise what arrives
+        // meanwhile waits for the first to return, and is claimed together.
+        if self.claiming >= MAX_CLAIMS_IN_FLIGHT
+            || (self.claiming > 0 && (!self.backlog || free < half_batch))
+        {
             self.wake_pending = true;
             return;
         }
@@ -152,16 +162,20 @@ impl Claimer {
         }
         let want = self.env.slots.take(cfg.claim_batch_max);
         if want == 0 {
+            self.more_waiting = true;
             // Every slot is busy; a finishing job wakes us.
             return;
         }
         self.claiming += 1;
+        let byte_room = self.env.slots.byte_room();
+        let budget_binds =
+            byte_room < (want as i64).saturating_mul(cfg.store.max_payload_bytes as i64);
         let req = ClaimRequest {
             owner: self.env.owner.clone(),
             queues: cfg.queues.clone(),
             kinds: Some(self.env.kinds.clone()),
             limit: want as i64,
-            byte_budget: self.env.slots.byte_room(),
+            byte_budget: byte_room,
             lease: cfg.lease,
             at: None,
         };
@@ -183,7 +197,8 @@ impl Claimer {
                         for job in jobs {
                             act.dispatch(job);
                         }
-                        act.found_nothing = got == 0 && act.claiming == 0;
+                        act.more_waiting = got == want || (budget_binds && got > 0);
+                        act.backlog = got == want;
                         if got == 0 {
                             env.metrics.incr(|c| &c.empty_claims);
                             act.poll = (act.poll * 2).min(cfg.poll_interval_max);
@@ -293,7 +308,7 @@ impl Handler<Wake> for Claimer {
     type Result = ();
     fn handle(&mut self, _: Wake, ctx: &mut Self::Context) {
         let _m = self.meter.handling();
-        self.found_nothing = false;
+        self.more_waiting = true;
         self.poll = self.env.config.poll_interval_min;
         self.claim(ctx);
     }
@@ -309,7 +324,7 @@ impl Handler<SlotsFreed> for Claimer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .is_empty();
-        if self.found_nothing && !parked {
+        if !self.more_waiting && !parked {
             return;
         }
         self.claim(ctx);

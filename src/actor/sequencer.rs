@@ -144,6 +144,7 @@ impl Sequencer {
     /// The running job ended; its slot went back when its handler returned.
     fn after(&mut self, ended: Ended, next: Successor, ctx: &mut Context<Self>) {
         if let Successor::Claimed(job) = next {
+            let job = *job;
             // Claimed by the completion's own transaction. It runs now if a slot is
             // free; otherwise the claimer gives it the next one, before claiming anything
             // new. Anything delivered meanwhile waits behind it.

@@ -1,0 +1,511 @@
+//! The sections of a run: each measures its figures `runs` times and adds its rows.
+
+use leasehold::Store;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::PgPool;
+
+use super::report::{self, Goal, Row, Stat};
+use super::throughput::EnqueueWay;
+use super::{footprint, latency, setup, throughput};
+
+/// Workload sizes: the for the default run, smaller for `--quick`.
+pub struct Sizes {
+    pub ceiling_jobs: u64,
+    pub e2e: Vec<(usize, u64)>,
+    pub enqueue_one: u64,
+    pub enqueue_bulk: u64,
+    pub latency_secs: f64,
+    pub idle_rate: f64,
+    pub keys: u64,
+    pub per_key: u64,
+    pub hot_backlog: u64,
+    pub hot_window: f64,
+    pub other_rate: f64,
+    pub terminal: (i64, i64),
+    pub pending: i64,
+    pub claim_iterations: usize,
+    pub memory_keys: u64,
+}
+
+impl Sizes {
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            Sizes {
+                ceiling_jobs: 10_000,
+                e2e: vec![(1, 500), (8, 3_000), (32, 10_000), (128, 10_000)],
+                enqueue_one: 300,
+                enqueue_bulk: 10_000,
+                latency_secs: 1.0,
+                idle_rate: 50.0,
+                keys: 1_000,
+                per_key: 10,
+                hot_backlog: 10_000,
+                hot_window: 1.5,
+                other_rate: 50.0,
+                terminal: (10_000, 100_000),
+                pending: 100_000,
+                claim_iterations: 30,
+                memory_keys: 2_000,
+            }
+        } else {
+            Sizes {
+                ceiling_jobs: 60_000,
+                e2e: vec![(1, 3_000), (8, 20_000), (32, 100_000), (128, 100_000)],
+                enqueue_one: 2_000,
+                enqueue_bulk: 100_000,
+                latency_secs: 3.0,
+                idle_rate: 50.0,
+                keys: 10_000,
+                per_key: 10,
+                hot_backlog: 100_000,
+                hot_window: 4.0,
+                other_rate: 50.0,
+                terminal: (100_000, 1_000_000),
+                pending: 1_000_000,
+                claim_iterations: 50,
+                memory_keys: 10_000,
+            }
+        }
+    }
+}
+
+/// Everything a section needs, and what the sections found.
+pub struct Run {
+    pub sizes: Sizes,
+    pub runs: usize,
+    pub history: bool,
+    /// Connections of the schedulers' pool; the ceiling uses as many.
+    pub pool_conns: usize,
+    pub opts: PgConnectOptions,
+    pub pool: PgPool,
+    pub store: Store,
+    pub rows: Vec<Row>,
+    pub explains: Vec<(String, String)>,
+}
+
+/// Median of the per-run ratios `num[r] / den[r]`: each pair ran back to back, so a
+/// slow spell on this shared machine slows both sides of a ratio.
+fn paired_ratio(num: &[f64], den: &[f64]) -> f64 {
+    Stat::of(num.iter().zip(den).map(|(a, b)| a / b).collect()).median()
+}
+
+impl Run {
+    /// Statement costs, a diagnostic run only on request.
+    pub async fn micro(&mut self) {
+        for batch in [1i64, 32, 100] {
+            let [lc, lw, rc, rw] = throughput::micro(&self.store, &self.opts, batch, 200).await;
+            say!("batch {batch}: leasehold claim {lc:.3} ms, complete_many {lw:.3} ms; raw claim {rc:.3} ms, raw complete {rw:.3} ms");
+        }
+    }
+
+    /// The raw-SQL ceiling and leasehold end to end, interleaved run by run. Returns the
+    /// median no-op throughput at concurrency 32 (NaN when not measured).
+    pub async fn ceiling_and_e2e(&mut self, ceiling: bool, e2e: bool) -> f64 {
+        if !ceiling && !e2e {
+            return f64::NAN;
+        }
+        let (runs, pool_conns) = (self.runs, self.pool_conns);
+        let mut conns = vec![1usize, 4, pool_conns];
+        conns.sort();
+        conns.dedup();
+        let mut ceilings: Vec<Vec<f64>> = vec![Vec::new(); conns.len()];
+        let mut tput: Vec<Vec<f64>> = vec![Vec::new(); self.sizes.e2e.len()];
+        setup::checkpoint(&self.store).await;
+        for r in 0..runs {
+            if ceiling {
+                for (i, &c) in conns.iter().enumerate() {
+                    let x =
+                        throughput::ceiling(&self.store, &self.opts, c, self.sizes.ceiling_jobs)
+                            .await;
+                    say!(
+                        "run {}/{runs}: raw ceiling, {c} connections: {} jobs/s",
+                        r + 1,
+                        report::num(x)
+                    );
+                    ceilings[i].push(x);
+                }
+            }
+            if e2e {
+                for (i, &(c, n)) in self.sizes.e2e.iter().enumerate() {
+                    let x = throughput::throughput(&self.store, c, n, self.history).await;
+                    say!(
+                        "run {}/{runs}: leasehold no-op, concurrency {c}: {} jobs/s",
+                        r + 1,
+                        report::num(x)
+                    );
+                    tput[i].push(x);
+                }
+            }
+        }
+        let at_pool = conns
+            .iter()
+            .position(|&c| c == pool_conns)
+            .map(|i| ceilings[i].clone())
+            .filter(|v| !v.is_empty());
+        if ceiling {
+            for (i, &c) in conns.iter().enumerate() {
+                self.rows.push(Row::new(
+                    "raw-SQL ceiling: claim 100 (one SKIP LOCKED statement) + complete 100 (one fenced UPDATE)",
+                    format!(
+                        "{c} connection{}{}",
+                        if c == 1 { "" } else { "s" },
+                        if c == pool_conns { " (= the pool)" } else { "" }
+                    ),
+                    Stat::of(ceilings[i].clone()),
+                    "jobs/s",
+                ));
+            }
+        }
+        let mut unkeyed_32 = f64::NAN;
+        if e2e {
+            for (i, &(c, n)) in self.sizes.e2e.iter().enumerate() {
+                let st = Stat::of(tput[i].clone());
+                if c == 32 {
+                    unkeyed_32 = st.median();
+                }
+                let mut row = Row::new(
+                    "leasehold end to end, no-op handlers",
+                    format!("concurrency {c} ({n} jobs)"),
+                    st,
+                    "jobs/s",
+                );
+                if let Some(den) = &at_pool {
+                    row = row.ratio(paired_ratio(&tput[i], den), format!("ceiling@{pool_conns}"));
+                    if c == 32 {
+                        row = row.goal(Goal::AtLeast(0.6));
+                    }
+                }
+                self.rows.push(row);
+            }
+        }
+        unkeyed_32
+    }
+
+    /// Enqueue one at a time, batched and by COPY, each round right after a raw COPY.
+    pub async fn enqueue(&mut self) {
+        let (runs, s) = (self.runs, &self.sizes);
+        let ways = [
+            (
+                EnqueueWay::One,
+                "enqueue, one per transaction",
+                s.enqueue_one,
+            ),
+            (
+                EnqueueWay::Many,
+                "enqueue_many, 1000 per statement",
+                s.enqueue_bulk,
+            ),
+            (EnqueueWay::Copy, "enqueue_copy, one COPY", s.enqueue_bulk),
+        ];
+        let bulk = s.enqueue_bulk;
+        let mut raw = Vec::new();
+        let mut got: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
+        setup::checkpoint(&self.store).await;
+        for r in 0..runs {
+            let x = throughput::enqueue(&self.store, EnqueueWay::RawCopy, bulk).await;
+            raw.push(x);
+            let mut line = format!("run {}/{runs}: raw COPY {} rows/s", r + 1, report::num(x));
+            for (i, (way, name, n)) in ways.iter().enumerate() {
+                let x = throughput::enqueue(&self.store, *way, *n).await;
+                line.push_str(&format!("; {name} {}", report::num(x)));
+                got[i].push(x);
+            }
+            say!("{line}");
+        }
+        let section = "enqueue, unkeyed (from building the jobs to commit)";
+        for (i, (way, name, n)) in ways.iter().enumerate() {
+            let mut row = Row::new(
+                section,
+                format!("{name} ({n} rows)"),
+                Stat::of(got[i].clone()),
+                "rows/s",
+            )
+            .ratio(paired_ratio(&got[i], &raw), "raw COPY");
+            if matches!(way, EnqueueWay::Copy) {
+                row = row.goal(Goal::AtLeast(0.8));
+            }
+            self.rows.push(row);
+        }
+        self.rows.push(Row::new(
+            section,
+            format!("raw COPY, same columns ({bulk} rows)"),
+            Stat::of(raw),
+            "rows/s",
+        ));
+    }
+
+    /// Enqueue-to-start latency at a fixed offered rate: an idle queue, and half the
+    /// measured maximum (`unkeyed_32`, or 2,000/s when e2e did not run).
+    pub async fn latency(&mut self, unkeyed_32: f64) {
+        let runs = self.runs;
+        let half = if unkeyed_32.is_finite() {
+            (unkeyed_32 / 2.0).round()
+        } else {
+            2000.0
+        };
+        let section = "enqueue-to-start latency (enqueue call → handler start; concurrency 32)";
+        for (label, rate, goal) in [
+            ("idle queue", self.sizes.idle_rate, Some(Goal::AtMost(5.0))),
+            ("half the measured maximum", half, None),
+        ] {
+            let (mut p50, mut p99, mut db) = (Vec::new(), Vec::new(), Vec::new());
+            setup::checkpoint(&self.store).await;
+            for r in 0..runs {
+                let l =
+                    latency::latency(&self.store, 32, rate, self.sizes.latency_secs, self.history)
+                        .await;
+                say!("run {}/{runs}: latency, {label} ({rate}/s offered, {:.0}/s sent, {} jobs): p50 {:.2} ms p99 {:.2} ms (db clock p50 {:.2} ms)",
+                    r + 1, l.offered, l.samples, l.p50, l.p99, l.db_p50);
+                p50.push(l.p50);
+                p99.push(l.p99);
+                db.push(l.db_p50);
+            }
+            let mut row = Row::new(
+                section,
+                format!("{label}, {rate}/s: p50"),
+                Stat::of(p50),
+                "ms",
+            );
+            if let Some(g) = goal {
+                row = row.goal(g);
+            }
+            self.rows.push(row);
+            self.rows.push(Row::new(
+                section,
+                format!("{label}, {rate}/s: p99"),
+                Stat::of(p99),
+                "ms",
+            ));
+            self.rows.push(Row::new(
+                section,
+                format!("{label}, {rate}/s: p50 created_at → claimed_at (db clock)"),
+                Stat::of(db),
+                "ms",
+            ));
+        }
+    }
+
+    /// Many keys, each run right after an unkeyed run of the same size.
+    pub async fn keyed(&mut self) {
+        let (runs, keys, per_key) = (self.runs, self.sizes.keys, self.sizes.per_key);
+        let n = keys * per_key;
+        let (mut plain, mut keyed) = (Vec::new(), Vec::new());
+        setup::checkpoint(&self.store).await;
+        for r in 0..runs {
+            let u = throughput::throughput(&self.store, 32, n, self.history).await;
+            let k = throughput::keyed(&self.store, keys, per_key, 32, self.history).await;
+            say!(
+                "run {}/{runs}: unkeyed {} jobs/s, {keys} keys x {per_key} {} jobs/s",
+                r + 1,
+                report::num(u),
+                report::num(k)
+            );
+            plain.push(u);
+            keyed.push(k);
+        }
+        let section = "keyed work (concurrency 32)";
+        self.rows.push(
+            Row::new(
+                section,
+                format!("{keys} keys x {per_key} jobs"),
+                Stat::of(keyed.clone()),
+                "jobs/s",
+            )
+            .ratio(paired_ratio(&keyed, &plain), "unkeyed")
+            .goal(Goal::AtLeast(0.7)),
+        );
+        self.rows.push(Row::new(
+            section,
+            format!("the same {n} jobs unkeyed"),
+            Stat::of(plain),
+            "jobs/s",
+        ));
+    }
+
+    /// One hot key with a long backlog, and other keys' latency while it drains.
+    pub async fn hot_key(&mut self) {
+        let (runs, s) = (self.runs, &self.sizes);
+        let section = "keyed work (concurrency 32)";
+        say!("hot key: loading {} jobs behind one key", s.hot_backlog);
+        let windows = latency::hot_key(
+            &self.store,
+            s.hot_backlog,
+            runs,
+            s.hot_window,
+            s.other_rate,
+            32,
+            self.history,
+        )
+        .await;
+        for (i, (rate, l)) in windows.iter().enumerate() {
+            say!("hot key window {}/{runs}: {:.0} jobs/s; other keys p50 {:.2} ms p99 {:.2} ms ({} jobs)",
+                i + 1, rate, l.p50, l.p99, l.samples);
+        }
+        let (backlog, other) = (s.hot_backlog, s.other_rate);
+        self.rows.push(
+            Row::new(
+                section,
+                format!("one hot key, {backlog} jobs behind it"),
+                Stat::of(windows.iter().map(|w| w.0).collect()),
+                "jobs/s",
+            )
+            .goal(Goal::AtLeast(500.0)),
+        );
+        self.rows.push(Row::new(
+            section,
+            format!("other keys meanwhile ({other}/s): enqueue → start p50"),
+            Stat::of(windows.iter().map(|w| w.1.p50).collect()),
+            "ms",
+        ));
+        self.rows.push(Row::new(
+            section,
+            format!("other keys meanwhile ({other}/s): enqueue → start p99"),
+            Stat::of(windows.iter().map(|w| w.1.p99).collect()),
+            "ms",
+        ));
+    }
+
+    /// Claim latency with terminal and pending rows: each run on the big table right
+    /// after one on an empty table (its own schema), so each ratio compares
+    /// back-to-back runs. Captures the EXPLAIN of the claim at 10^6 rows.
+    pub async fn growth(&mut self) {
+        let empty = setup::fresh_schema(&self.pool, "bench_empty", self.history).await;
+        let (terminal, pending) = (self.sizes.terminal, self.sizes.pending);
+        let mut base_all = Vec::new();
+
+        setup::reset(&self.store).await;
+        self.claim_phase(
+            "empty table (the jobs schema itself)".into(),
+            None,
+            &empty,
+            &mut base_all,
+        )
+        .await;
+
+        setup::insert_rows(&self.store, "done", terminal.0).await;
+        setup::checkpoint(&self.store).await;
+        self.claim_phase(
+            format!("{} terminal rows", terminal.0),
+            None,
+            &empty,
+            &mut base_all,
+        )
+        .await;
+
+        say!("inserting terminal rows up to {}", terminal.1);
+        setup::insert_rows(&self.store, "done", terminal.1 - terminal.0).await;
+        setup::checkpoint(&self.store).await;
+        self.claim_phase(
+            format!("{} terminal rows", terminal.1),
+            Some(Goal::AtMost(1.3)),
+            &empty,
+            &mut base_all,
+        )
+        .await;
+        setup::raw_copy(&self.store, "noop", 1000).await;
+        setup::vacuum_analyze(&self.store).await;
+        self.explains.push((
+            format!(
+                "claim of 100 with {} terminal rows and 1,000 pending",
+                terminal.1
+            ),
+            footprint::explain_claim(&self.store, 100).await,
+        ));
+
+        say!("inserting {pending} pending rows");
+        setup::reset(&self.store).await;
+        setup::insert_rows(&self.store, "pending", pending).await;
+        setup::checkpoint(&self.store).await;
+        self.claim_phase(
+            format!("{pending} pending rows"),
+            None,
+            &empty,
+            &mut base_all,
+        )
+        .await;
+        setup::vacuum_analyze(&self.store).await;
+        self.explains.push((
+            format!("claim of 100 with {pending} pending rows"),
+            footprint::explain_claim(&self.store, 100).await,
+        ));
+        self.rows.push(Row::new(
+            GROWTH,
+            "empty table, every paired run",
+            Stat::of(base_all),
+            "ms",
+        ));
+        setup::reset(&self.store).await;
+        sqlx::query("DROP SCHEMA bench_empty CASCADE")
+            .execute(&self.pool)
+            .await
+            .ok();
+    }
+
+    async fn claim_phase(
+        &mut self,
+        label: String,
+        goal: Option<Goal>,
+        empty: &Store,
+        base_all: &mut Vec<f64>,
+    ) {
+        let (runs, it) = (self.runs, self.sizes.claim_iterations);
+        let (mut big, mut base) = (Vec::new(), Vec::new());
+        for r in 0..runs {
+            let b = footprint::claim_latency(&self.store, it, 100).await;
+            setup::reset(empty).await;
+            let e = footprint::claim_latency(empty, it, 100).await;
+            say!(
+                "run {}/{runs}: claim latency, {label}: {b:.2} ms (empty table {e:.2} ms)",
+                r + 1
+            );
+            big.push(b);
+            base.push(e);
+        }
+        let mut row = Row::new(GROWTH, label, Stat::of(big.clone()), "ms")
+            .ratio(paired_ratio(&big, &base), "empty");
+        if let Some(g) = goal {
+            row = row.goal(g);
+        }
+        self.rows.push(row);
+        base_all.extend(base);
+    }
+
+    /// RSS of a child process holding only a scheduler with `memory_keys` active keys.
+    pub async fn memory(&mut self) {
+        let (runs, keys) = (self.runs, self.sizes.memory_keys);
+        let (mut rss, mut base, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
+        setup::checkpoint(&self.store).await;
+        for r in 0..runs {
+            let v = footprint::memory(&self.store, keys).await;
+            say!("run {}/{runs}: memory {v}", r + 1);
+            rss.push(v["rss_mb"].as_f64().unwrap_or(f64::NAN));
+            base.push(v["rss_before_mb"].as_f64().unwrap_or(f64::NAN));
+            seqs.push(v["sequencers"].as_f64().unwrap_or(f64::NAN));
+        }
+        let section = "memory (a child process holding only the scheduler; VmRSS)";
+        self.rows.push(
+            Row::new(
+                section,
+                format!("RSS with {keys} active keys"),
+                Stat::of(rss),
+                "MB",
+            )
+            .goal(Goal::AtMost(100.0)),
+        );
+        self.rows.push(Row::new(
+            section,
+            "RSS before the scheduler started",
+            Stat::of(base),
+            "MB",
+        ));
+        self.rows.push(Row::new(
+            section,
+            "sequencers alive when measured",
+            Stat::of(seqs),
+            "actors",
+        ));
+        setup::reset(&self.store).await;
+    }
+}
+
+const GROWTH: &str = "claim latency as the table grows (Store::claim of 100, median of each run)";

@@ -1,0 +1,289 @@
+//! Throughput: the raw-SQL ceiling, leasehold end to end, enqueue, keyed work, and the
+//! statement-cost diagnostic.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold::{ClaimRequest, NewJob, OwnerId, Scheduler, Store};
+use serde_json::json;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::Connection;
+
+use super::handlers::{config, debug_metrics, noop_job, wait_until, Noop};
+use super::report::percentile;
+use super::setup::{self, QUEUE};
+
+// ---------------------------------------------------------------------------------
+// Raw-SQL ceiling
+
+const RAW_CLAIM: &str = "WITH cand AS (
+    SELECT id FROM bench.jobs
+    WHERE state = 'pending' AND available_at <= now() AND queue = ANY($1)
+    ORDER BY priority, available_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE bench.jobs j
+SET state = 'running', owner = $3, generation = j.generation + 1, attempts = j.attempts + 1,
+    claimed_at = now(), lease_until = now() + interval '30 seconds'
+FROM cand WHERE j.id = cand.id
+RETURNING j.id, j.generation, j.payload";
+
+const RAW_COMPLETE: &str = "UPDATE bench.jobs j
+SET state = 'done', finished_at = now(), lease_until = NULL
+FROM unnest($1::int8[], $2::int8[]) AS t(id, generation)
+WHERE j.id = t.id AND j.generation = t.generation AND j.owner = $3 AND j.state = 'running'";
+
+/// `conns` connections, each looping: claim 100 with one SKIP LOCKED statement, complete
+/// them with one fenced UPDATE. Jobs/s over `n` preloaded jobs.
+pub async fn ceiling(store: &Store, opts: &PgConnectOptions, conns: usize, n: u64) -> f64 {
+    setup::reset(store).await;
+    setup::raw_copy(store, "noop", n).await;
+    setup::analyze(store).await;
+    let mut connections = Vec::new();
+    for _ in 0..conns {
+        connections.push(setup::connect(opts).await);
+    }
+    let t0 = Instant::now();
+    let workers: Vec<_> = connections
+        .into_iter()
+        .enumerate()
+        .map(|(w, mut conn)| {
+            tokio::spawn(async move {
+                let owner = format!("raw:{w}");
+                let queues = vec![QUEUE.to_string()];
+                let mut done = 0u64;
+                loop {
+                    let rows: Vec<(i64, i64, serde_json::Value)> = sqlx::query_as(RAW_CLAIM)
+                        .bind(&queues)
+                        .bind(100i64)
+                        .bind(&owner)
+                        .fetch_all(&mut conn)
+                        .await
+                        .expect("raw claim");
+                    if rows.is_empty() {
+                        break;
+                    }
+                    let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+                    let gens: Vec<i64> = rows.iter().map(|r| r.1).collect();
+                    let r = sqlx::query(RAW_COMPLETE)
+                        .bind(&ids)
+                        .bind(&gens)
+                        .bind(&owner)
+                        .execute(&mut conn)
+                        .await
+                        .expect("raw complete");
+                    assert_eq!(r.rows_affected(), rows.len() as u64, "raw fence refused");
+                    done += rows.len() as u64;
+                }
+                conn.close().await.ok();
+                done
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for w in workers {
+        total += w.await.expect("raw worker");
+    }
+    let took = t0.elapsed().as_secs_f64();
+    assert_eq!(total, n, "the raw ceiling must process every job");
+    n as f64 / took
+}
+
+// ---------------------------------------------------------------------------------
+// Leasehold end to end
+
+/// Jobs/s of a scheduler with no-op handlers draining `n` preloaded unkeyed jobs.
+pub async fn throughput(store: &Store, concurrency: usize, n: u64, history: bool) -> f64 {
+    setup::reset(store).await;
+    setup::raw_copy(store, "noop", n).await;
+    setup::analyze(store).await;
+    let done = Arc::new(AtomicU64::new(0));
+    let cpu0 = setup::cpu_secs();
+    let t0 = Instant::now();
+    let s = Scheduler::builder(store.pool().clone(), config(concurrency, history))
+        .register(Noop { done: done.clone() })
+        .start()
+        .await
+        .expect("start scheduler");
+    let limit = Duration::from_secs(30 + n / 200);
+    wait_until("the scheduler to drain", limit, || {
+        s.metrics().counters.completed >= n
+    })
+    .await;
+    let took = t0.elapsed().as_secs_f64();
+    if std::env::var_os("BENCH_DEBUG").is_some() {
+        eprintln!(
+            "    process cpu {:.0}% of one core",
+            (setup::cpu_secs() - cpu0) / took * 100.0
+        );
+    }
+    debug_metrics(&s);
+    s.shutdown().await.expect("shutdown");
+    n as f64 / took
+}
+
+// ---------------------------------------------------------------------------------
+// Enqueue
+
+#[derive(Clone, Copy, Debug)]
+pub enum EnqueueWay {
+    One,
+    Many,
+    Copy,
+    RawCopy,
+}
+
+/// Rows/s of enqueueing `n` unkeyed jobs one way, from building the jobs to commit.
+pub async fn enqueue(store: &Store, way: EnqueueWay, n: u64) -> f64 {
+    setup::reset(store).await;
+    let t0 = Instant::now();
+    match way {
+        EnqueueWay::One => {
+            for i in 0..n {
+                store.enqueue(noop_job(i)).await.expect("enqueue");
+            }
+        }
+        EnqueueWay::Many => {
+            let mut i = 0;
+            while i < n {
+                let batch: Vec<NewJob> = (i..(i + 1000).min(n)).map(noop_job).collect();
+                i += batch.len() as u64;
+                store.enqueue_many(batch).await.expect("enqueue_many");
+            }
+        }
+        EnqueueWay::Copy => {
+            let jobs: Vec<NewJob> = (0..n).map(noop_job).collect();
+            if std::env::var_os("BENCH_DEBUG").is_some() {
+                eprintln!(
+                    "    built {n} jobs in {:.1} ms",
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+            }
+            let written = store.enqueue_copy(jobs).await.expect("enqueue_copy");
+            assert_eq!(written, n);
+        }
+        EnqueueWay::RawCopy => {
+            assert_eq!(setup::raw_copy(store, "noop", n).await, n);
+        }
+    }
+    let took = t0.elapsed().as_secs_f64();
+    assert_eq!(setup::count_state(store, "pending").await, n as i64);
+    n as f64 / took
+}
+
+// ---------------------------------------------------------------------------------
+// Keyed work
+
+/// Enqueue `keys` x `per_key` keyed no-op jobs, round robin over the keys.
+pub async fn load_keyed(store: &Store, keys: u64, per_key: u64, kind: &str, prefix: &str) {
+    let mut batch = Vec::with_capacity(5000);
+    for j in 0..per_key {
+        for k in 0..keys {
+            batch.push(
+                NewJob::from_json(kind, json!({ "n": j * keys + k }))
+                    .with_key(format!("{prefix}{k}")),
+            );
+            if batch.len() == 5000 {
+                store
+                    .enqueue_many(std::mem::take(&mut batch))
+                    .await
+                    .expect("enqueue keyed");
+            }
+        }
+    }
+    if !batch.is_empty() {
+        store.enqueue_many(batch).await.expect("enqueue keyed");
+    }
+}
+
+/// Jobs/s draining `keys` x `per_key` keyed jobs.
+pub async fn keyed(
+    store: &Store,
+    keys: u64,
+    per_key: u64,
+    concurrency: usize,
+    history: bool,
+) -> f64 {
+    setup::reset(store).await;
+    load_keyed(store, keys, per_key, "noop", "k").await;
+    setup::analyze(store).await;
+    let n = keys * per_key;
+    let done = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let s = Scheduler::builder(store.pool().clone(), config(concurrency, history))
+        .register(Noop { done: done.clone() })
+        .start()
+        .await
+        .expect("start scheduler");
+    wait_until(
+        "keyed jobs to drain",
+        Duration::from_secs(30 + n / 100),
+        || s.metrics().counters.completed >= n,
+    )
+    .await;
+    let took = t0.elapsed().as_secs_f64();
+    s.shutdown().await.expect("shutdown");
+    n as f64 / took
+}
+
+// ---------------------------------------------------------------------------------
+// Statement costs (diagnostic, `--only micro`)
+
+/// Median ms of (leasehold claim, leasehold complete_many, raw claim, raw complete) for
+/// batches of `batch`, one at a time on an otherwise idle database.
+pub async fn micro(store: &Store, opts: &PgConnectOptions, batch: i64, rounds: usize) -> [f64; 4] {
+    setup::reset(store).await;
+    setup::raw_copy(store, "noop", 2 * rounds as u64 * batch as u64).await;
+    setup::vacuum_analyze(store).await;
+    let owner = OwnerId::named("bench:micro");
+    let mut req = ClaimRequest::new(
+        owner.clone(),
+        vec![QUEUE.into()],
+        batch,
+        Duration::from_secs(30),
+    );
+    req.kinds = Some(vec!["noop".into()]);
+    let (mut lc, mut lw, mut rc, mut rw) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        let t = Instant::now();
+        let jobs = store.claim(&req).await.expect("claim");
+        lc.push(t.elapsed().as_secs_f64() * 1e3);
+        let items: Vec<_> = jobs.iter().map(|j| (j.id, j.generation, None)).collect();
+        let t = Instant::now();
+        store.complete_many(&owner, &items).await.expect("complete");
+        lw.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let mut conn = setup::connect(opts).await;
+    let queues = vec![QUEUE.to_string()];
+    for _ in 0..rounds {
+        let t = Instant::now();
+        let rows: Vec<(i64, i64, serde_json::Value)> = sqlx::query_as(RAW_CLAIM)
+            .bind(&queues)
+            .bind(batch)
+            .bind("raw")
+            .fetch_all(&mut conn)
+            .await
+            .expect("raw claim");
+        rc.push(t.elapsed().as_secs_f64() * 1e3);
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        let gens: Vec<i64> = rows.iter().map(|r| r.1).collect();
+        let t = Instant::now();
+        sqlx::query(RAW_COMPLETE)
+            .bind(&ids)
+            .bind(&gens)
+            .bind("raw")
+            .execute(&mut conn)
+            .await
+            .expect("raw complete");
+        rw.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    conn.close().await.ok();
+    [
+        percentile(&lc, 0.5),
+        percentile(&lw, 0.5),
+        percentile(&rc, 0.5),
+        percentile(&rw, 0.5),
+    ]
+}
