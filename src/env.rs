@@ -14,7 +14,7 @@ use crate::actor::{Metered, Slots};
 use crate::config::Config;
 use crate::context::JobContext;
 use crate::handler::Registry;
-use crate::job::{ClaimedJob, JobId, OwnerId};
+use crate::job::{ClaimedJob, Generation, JobId, OwnerId};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -32,8 +32,9 @@ pub(crate) struct Env {
     pub claimer: OnceLock<Metered<Claimer>>,
     /// Live sequencers by (queue, key).
     pub sequencers: DashMap<(String, String), SequencerHandle>,
-    /// Attempts running now, for shutdown.
-    pub running: DashMap<JobId, JobContext>,
+    /// Attempts running now, by job and generation (one process may hold an old
+    /// attempt and a newer claim of the same job), for shutdown.
+    pub running: DashMap<(JobId, Generation), JobContext>,
     /// Fired when shutdown begins: from then on nothing claims (the claimer stops, and
     /// sequencers stop fetching their key's next job).
     pub stop_claiming: CancellationToken,

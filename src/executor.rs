@@ -111,7 +111,7 @@ async fn attempt_once(
 ) -> (Ended, Successor) {
     let _held = HeldJob(&env);
     let ctx = JobContext::new(job.clone(), env.store.clone(), env.config.effect_keep);
-    env.running.insert(job.id, ctx.clone());
+    env.running.insert((job.id, job.generation), ctx.clone());
     let _ = env.renewer.tell(Track {
         job: job.id,
         generation: job.generation,
@@ -142,7 +142,7 @@ async fn attempt_once(
         job: job.id,
         generation: job.generation,
     });
-    env.running.remove(&job.id);
+    env.running.remove(&(job.id, job.generation));
     (ended, next)
 }
 
