@@ -290,11 +290,13 @@ fn a_killed_scheduler_process_loses_nothing_and_keys_stay_in_order() {
         // once its backends are gone.
         let victim_app = format!("lh-{}-victim", db.schema);
         wait_until(30, "the victim's backends to end", || async {
-            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
-                .bind(&victim_app)
-                .fetch_one(&db.pool)
-                .await
-                .unwrap()
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            )
+            .bind(&victim_app)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
                 == 0
         })
         .await;
