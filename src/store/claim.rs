@@ -142,6 +142,21 @@ pub(crate) fn claimed_from_row(row: &PgRow, owner: &OwnerId) -> Result<ClaimedJo
     })
 }
 
+/// The claim statement's eight parameters, in order, on any sqlx query builder.
+macro_rules! bind_claim {
+    ($query:expr, $req:expr, $store:expr) => {
+        $query
+            .bind(&$req.queues)
+            .bind(&$req.kinds)
+            .bind($req.limit)
+            .bind($req.byte_budget)
+            .bind($req.owner.as_str())
+            .bind($req.at)
+            .bind(secs($req.lease))
+            .bind($store.options().full_history)
+    };
+}
+
 pub(super) fn with_returned(template: &str) -> String {
     template.replace("__RETURNED__", RETURNED)
 }
@@ -152,15 +167,7 @@ impl Store {
         if req.limit <= 0 || req.queues.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(self.claim_sql(req))
-            .bind(&req.queues)
-            .bind(&req.kinds)
-            .bind(req.limit)
-            .bind(req.byte_budget)
-            .bind(req.owner.as_str())
-            .bind(req.at)
-            .bind(secs(req.lease))
-            .bind(self.options().full_history)
+        let rows = bind_claim!(sqlx::query(self.claim_sql(req)), req, self)
             .fetch_all(self.pool())
             .await?;
         rows.iter()
@@ -188,20 +195,10 @@ impl Store {
         let mut conn = self.pool().acquire().await?;
         let mut out = String::from("-- planned with its parameters\n");
         let mut tx = conn.begin().await?;
-        let rows: Vec<String> = sqlx::query_scalar(&format!(
-            "EXPLAIN (ANALYZE, BUFFERS) {}",
-            self.claim_sql(req)
-        ))
-        .bind(&req.queues)
-        .bind(&req.kinds)
-        .bind(req.limit)
-        .bind(req.byte_budget)
-        .bind(req.owner.as_str())
-        .bind(req.at)
-        .bind(secs(req.lease))
-        .bind(self.options().full_history)
-        .fetch_all(&mut *tx)
-        .await?;
+        let explain_sql = format!("EXPLAIN (ANALYZE, BUFFERS) {}", self.claim_sql(req));
+        let rows: Vec<String> = bind_claim!(sqlx::query_scalar(&explain_sql), req, self)
+            .fetch_all(&mut *tx)
+            .await?;
         tx.rollback().await?;
         out.push_str(&rows.join("\n"));
 
@@ -220,20 +217,13 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         // EXECUTE takes no bound parameters: let the server quote the values.
-        let explain: String = sqlx::query_scalar(&format!(
+        let quote_sql = format!(
             "SELECT format('EXPLAIN (ANALYZE, BUFFERS) EXECUTE {NAME}(%L, %L, %L, %L, %L, %L, %L, %L)', \
              $1::text[], $2::text[], $3::int8, $4::int8, $5::text, $6::timestamptz, $7::float8, $8::bool)"
-        ))
-        .bind(&req.queues)
-        .bind(&req.kinds)
-        .bind(req.limit)
-        .bind(req.byte_budget)
-        .bind(req.owner.as_str())
-        .bind(req.at)
-        .bind(secs(req.lease))
-        .bind(self.options().full_history)
-        .fetch_one(&mut *tx)
-        .await?;
+        );
+        let explain: String = bind_claim!(sqlx::query_scalar(&quote_sql), req, self)
+            .fetch_one(&mut *tx)
+            .await?;
         let rows: Vec<String> = sqlx::query_scalar(&explain).fetch_all(&mut *tx).await?;
         tx.rollback().await?;
         let _ = sqlx::raw_sql(&format!("DEALLOCATE {NAME}"))
