@@ -80,29 +80,25 @@ impl SchedulerBuilder {
                 .connect_lazy_with(connect.clone().application_name(name))
         };
         let renewer = {
-            let (store, owner, config, m, mk) = (
-                store.clone(),
-                owner.clone(),
-                config.clone(),
-                metrics.clone(),
+            let (owner, config, m) = (owner.clone(), config.clone(), metrics.clone());
+            let addr = on_maintenance(
+                &maintenance,
+                &store,
                 side_pool.clone(),
+                "leasehold-renewer",
+                move |s| LeaseRenewer::new(s, owner, &config, m),
             );
-            let addr = LeaseRenewer::start_in_arbiter(&maintenance.handle(), move |_| {
-                LeaseRenewer::new(store.with_pool(mk("leasehold-renewer")), owner, &config, m)
-            });
             Metered::new(addr, metrics.meter("lease_renewer"))
         };
         let reaper = {
-            let (store, owner, config, m, mk) = (
-                store.clone(),
-                owner.clone(),
-                config.clone(),
-                metrics.clone(),
+            let (owner, config, m) = (owner.clone(), config.clone(), metrics.clone());
+            let addr = on_maintenance(
+                &maintenance,
+                &store,
                 side_pool.clone(),
+                "leasehold-reaper",
+                move |s| Reaper::new(s, owner, &config, m),
             );
-            let addr = Reaper::start_in_arbiter(&maintenance.handle(), move |_| {
-                Reaper::new(store.with_pool(mk("leasehold-reaper")), owner, &config, m)
-            });
             Metered::new(addr, metrics.meter("reaper"))
         };
         let completer = Metered::new(
@@ -164,6 +160,26 @@ impl SchedulerBuilder {
             maintenance: Some(maintenance),
         })
     }
+}
+
+/// Start a maintenance actor on `arbiter` over a store with its own one-connection pool.
+/// The pool is made on that arbiter's thread: a connection belongs to the runtime that
+/// opened it, and the host's runtime may be busy with handlers.
+fn on_maintenance<A, P>(
+    arbiter: &Arbiter,
+    store: &Store,
+    side_pool: P,
+    app_name: &'static str,
+    make: impl FnOnce(Store) -> A + Send + 'static,
+) -> Addr<A>
+where
+    A: Actor<Context = Context<A>>,
+    P: FnOnce(&str) -> PgPool + Send + 'static,
+{
+    let store = store.clone();
+    A::start_in_arbiter(&arbiter.handle(), move |_| {
+        make(store.with_pool(side_pool(app_name)))
+    })
 }
 
 /// A running scheduler. Stop it with [`Scheduler::shutdown`].
