@@ -20,6 +20,8 @@ use crate::store::Store;
 
 pub(crate) struct Env {
     pub store: Store,
+    /// The same store over the claimer's own connections (see `scheduler::claim_session`).
+    pub claim_store: Store,
     pub config: Config,
     pub owner: OwnerId,
     pub registry: Registry,

@@ -66,7 +66,8 @@ fn walk(plan: &Value, out: &mut Vec<JobsScan>) {
 
 /// EXPLAIN (ANALYZE, BUFFERS) the store's claim of `limit` jobs, in a transaction that
 /// is rolled back. Returns the scans of `jobs` and the shared buffers the claim touched.
-async fn explain_claim(db: &TestDb, limit: i64) -> (Vec<JobsScan>, i64, Value) {
+/// `generic`: planned as the claimer's sessions plan it (`force_generic_plan`).
+async fn explain_claim(db: &TestDb, limit: i64, generic: bool) -> (Vec<JobsScan>, i64, Value) {
     let mut conn = db.raw_conn("explain").await;
     sqlx::query(&format!(
         "PREPARE lh_claim(text[], text[], int8, int8, text, timestamptz, float8, bool) AS {}",
@@ -76,6 +77,12 @@ async fn explain_claim(db: &TestDb, limit: i64) -> (Vec<JobsScan>, i64, Value) {
     .await
     .unwrap();
     let mut tx = conn.begin().await.unwrap();
+    if generic {
+        sqlx::query("SET LOCAL plan_cache_mode = force_generic_plan")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
     let plan: Value = sqlx::query_scalar(&format!(
         "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE lh_claim(ARRAY['default'], NULL, {limit}, {}, 'explain', NULL, 30, true)",
         i64::MAX
@@ -106,7 +113,7 @@ async fn hot_key_backlog_of_100k_does_not_widen_the_claim_of_other_keys() {
         // The hot key's head comes first, so a claim takes it and then the others.
         let hot_head = db.store.enqueue(keyed("k", "hot", 0)).await.unwrap();
         let other_ids = db.store.enqueue_many(others).await.unwrap();
-        let (scans_small, buffers_small, _) = explain_claim(&db, 10).await;
+        let (scans_small, buffers_small, _) = explain_claim(&db, 10, false).await;
 
         for chunk in 0..10 {
             let ids = db
@@ -118,24 +125,25 @@ async fn hot_key_backlog_of_100k_does_not_widen_the_claim_of_other_keys() {
         }
         assert_eq!(db.count_where("jobs", "job_key = 'hot' AND state = 'waiting'").await, 100_000);
         // Right after the bulk enqueue (planner statistics still from the small table)
-        // and after ANALYZE (as autovacuum would), the claim reads only pending rows.
-        for analyzed in [false, true] {
-            if analyzed {
+        // and after ANALYZE (as autovacuum would), planned with its parameters and as the
+        // claimer's sessions plan it (generic), the claim reads only pending rows.
+        for (analyzed, generic) in [(false, false), (false, true), (true, false), (true, true)] {
+            if analyzed && !generic {
                 sqlx::query(&format!("ANALYZE {}", db.table("jobs"))).execute(&db.pool).await.unwrap();
             }
-            let (scans, buffers, plan) = explain_claim(&db, 10).await;
+            let (scans, buffers, plan) = explain_claim(&db, 10, generic).await;
             assert!(
                 scans.iter().any(|s| s.index.as_deref() == Some("jobs_claimable")),
-                "analyzed={analyzed}: the claim must use the jobs_claimable partial index: {scans:?}\n{plan:#}"
+                "analyzed={analyzed} generic={generic}: the claim must use the jobs_claimable partial index: {scans:?}\n{plan:#}"
             );
-            assert!(scans.iter().all(|s| s.node != "Seq Scan"), "analyzed={analyzed}: no sequential scan of jobs: {scans:?}");
+            assert!(scans.iter().all(|s| s.node != "Seq Scan"), "analyzed={analyzed} generic={generic}: no sequential scan of jobs: {scans:?}");
             let examined: i64 = scans.iter().map(|s| s.rows_examined).sum();
-            assert!(examined <= 40, "analyzed={analyzed}: the claim examined {examined} rows of jobs: {scans:?}\n{plan:#}");
+            assert!(examined <= 40, "analyzed={analyzed} generic={generic}: the claim examined {examined} rows of jobs: {scans:?}\n{plan:#}");
             assert!(
                 buffers <= 2 * buffers_small,
-                "analyzed={analyzed}: the claim touched {buffers} buffers with the backlog, {buffers_small} without: {plan:#}"
+                "analyzed={analyzed} generic={generic}: the claim touched {buffers} buffers with the backlog, {buffers_small} without: {plan:#}"
             );
-            eprintln!("analyzed={analyzed}: without backlog {scans_small:?} {buffers_small} buffers; with {scans:?} {buffers} buffers");
+            eprintln!("analyzed={analyzed} generic={generic}: without backlog {scans_small:?} {buffers_small} buffers; with {scans:?} {buffers} buffers");
         }
 
         // And the claim itself: ten jobs, one of them the hot head, none of its backlog.

@@ -6,7 +6,8 @@
 //! - [`StopClaiming`]: shutdown has begun.
 //!
 //! # Lifecycle
-//! Claims only into free slots (`take` reserves them first) and within the in-flight
+//! Claims run on the claimer's own connections, planned generically (see
+//! `scheduler::claim_session`). Claims only into free slots (`take` reserves them first) and within the in-flight
 //! byte budget, one statement covering every queue of the scheduler. After a full batch
 //! it claims again at once; after an empty one the poll interval doubles up to
 //! `poll_interval_max`; any work resets it to `poll_interval_min`. A wake during a claim
@@ -85,7 +86,8 @@ const COALESCE: Duration = Duration::from_millis(1);
 
 /// Claim statements in flight at once: a second one, for half a batch or more, overlaps
 /// the first (SKIP LOCKED keeps them apart), so claiming keeps up with fast handlers.
-const MAX_CLAIMS_IN_FLIGHT: usize = 2;
+/// The claimer's own pool has this many connections.
+pub(crate) const MAX_CLAIMS_IN_FLIGHT: usize = 2;
 
 impl Claimer {
     pub fn new(env: Arc<Env>) -> Self {
@@ -179,7 +181,7 @@ impl Claimer {
             lease: cfg.lease,
             at: None,
         };
-        let store = self.env.store.clone();
+        let store = self.env.claim_store.clone();
         let started = Instant::now();
         ctx.spawn(async move { store.claim(&req).await }.into_actor(self).map(
             move |res, act, ctx| {
