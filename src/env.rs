@@ -8,13 +8,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::actor::claimer::Claimer;
 use crate::actor::completer::Completer;
-use crate::actor::lease_renewer::LeaseRenewer;
+use crate::actor::lease_renewer::{LeaseRenewer, Running};
 use crate::actor::sequencer::SequencerHandle;
 use crate::actor::{Metered, Slots};
 use crate::config::Config;
-use crate::context::JobContext;
 use crate::handler::Registry;
-use crate::job::{ClaimedJob, Generation, JobId, OwnerId};
+use crate::job::{ClaimedJob, OwnerId};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -35,8 +34,8 @@ pub(crate) struct Env {
     /// Live sequencers by (queue, key).
     pub sequencers: DashMap<(String, String), SequencerHandle>,
     /// Attempts running now, by job and generation (one process may hold an old
-    /// attempt and a newer claim of the same job), for shutdown.
-    pub running: DashMap<(JobId, Generation), JobContext>,
+    /// attempt and a newer claim of the same job), for the lease renewer and shutdown.
+    pub running: Running,
     /// Fired when shutdown begins: from then on nothing claims (the claimer stops, and
     /// sequencers stop fetching their key's next job).
     pub stop_claiming: CancellationToken,

@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::actor::completer::Complete;
-use crate::actor::lease_renewer::{Track, Untrack};
 use crate::context::{CancelReason, JobContext};
 use crate::env::Env;
 use crate::error::Result;
@@ -111,12 +110,8 @@ async fn attempt_once(
 ) -> (Ended, Successor) {
     let _held = HeldJob(&env);
     let ctx = JobContext::new(job.clone(), env.store.clone(), env.config.effect_keep);
+    // The lease renewer reads this registry at each tick.
     env.running.insert((job.id, job.generation), ctx.clone());
-    let _ = env.renewer.tell(Track {
-        job: job.id,
-        generation: job.generation,
-        ctx: ctx.clone(),
-    });
     if job.attempt == 1 {
         if let Ok(waited) = (job.claimed_at - job.created_at).to_std() {
             env.metrics.record_start(waited);
@@ -138,10 +133,6 @@ async fn attempt_once(
         env.metrics.incr(|c| &c.claimed);
     }
 
-    let _ = env.renewer.tell(Untrack {
-        job: job.id,
-        generation: job.generation,
-    });
     env.running.remove(&(job.id, job.generation));
     (ended, next)
 }

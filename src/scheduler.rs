@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::actor::claimer::{Claimer, StopClaiming, MAX_CLAIMS_IN_FLIGHT};
 use crate::actor::completer::Completer;
-use crate::actor::lease_renewer::{LeaseRenewer, RenewNow};
+use crate::actor::lease_renewer::{LeaseRenewer, RenewNow, Running};
 use crate::actor::listener::Listener;
 use crate::actor::reaper::{ReapNow, Reaper};
 use crate::actor::{stopped, Metered, Slots, Stop};
@@ -79,14 +79,16 @@ impl SchedulerBuilder {
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_lazy_with(connect.clone().application_name(name))
         };
+        let running: Running = Default::default();
         let renewer = {
             let (owner, config, m) = (owner.clone(), config.clone(), metrics.clone());
+            let running = running.clone();
             let addr = on_maintenance(
                 &maintenance,
                 &store,
                 side_pool.clone(),
                 "leasehold-renewer",
-                move |s| LeaseRenewer::new(s, owner, &config, m),
+                move |s| LeaseRenewer::new(s, owner, running, &config, m),
             );
             Metered::new(addr, metrics.meter("lease_renewer"))
         };
@@ -135,7 +137,7 @@ impl SchedulerBuilder {
             completer,
             claimer: Default::default(),
             sequencers: DashMap::new(),
-            running: DashMap::new(),
+            running,
             stop_claiming: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
             parked: Default::default(),

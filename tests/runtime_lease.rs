@@ -240,3 +240,95 @@ fn a_lease_reaped_from_outside_cancels_the_handler_and_refuses_its_completion() 
         t.db.drop().await;
     }))
 }
+
+/// Generation 1 ignores cancellation for `first_secs` (noting whether it was told its
+/// lease is lost); later generations work for `later_secs`, then finish.
+struct Stubborn {
+    first_secs: f64,
+    later_secs: f64,
+    first_told: Arc<Mutex<Option<CancelReason>>>,
+    started: mpsc::UnboundedSender<i64>,
+}
+
+impl Handler for Stubborn {
+    type Payload = ();
+    type Output = i64;
+    const KIND: &'static str = "stubborn";
+
+    async fn run(&self, ctx: JobContext, _: ()) -> Result<i64, JobError> {
+        let generation = ctx.generation().0;
+        let _ = self.started.send(generation);
+        if generation == 1 {
+            let until = tokio::time::Instant::now() + Duration::from_secs_f64(self.first_secs);
+            while tokio::time::Instant::now() < until {
+                if let Some(reason) = ctx.cancel_reason() {
+                    *self.first_told.lock().unwrap() = Some(reason);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        } else {
+            tokio::time::sleep(Duration::from_secs_f64(self.later_secs)).await;
+        }
+        Ok(generation)
+    }
+}
+
+#[test]
+fn a_process_that_claims_its_own_job_again_keeps_renewing_the_new_generation() {
+    run_in_system(within(60, "own re-claim test", async {
+        let db = TestDb::with_options("rt_own_reclaim", StoreOptions::default(), POOL).await;
+        let lease = Duration::from_secs(1);
+        let (tx, mut started) = mpsc::unbounded_channel();
+        let first_told = Arc::new(Mutex::new(None));
+        let scheduler = Scheduler::builder(db.pool.clone(), config_with_lease(&db.schema, lease))
+            .register(Stubborn {
+                // Both attempts stay in this process's registry for several renewals.
+                first_secs: 3.0 * lease.as_secs_f64(),
+                later_secs: 4.0 * lease.as_secs_f64(),
+                first_told: first_told.clone(),
+                started: tx,
+            })
+            .start()
+            .await
+            .unwrap();
+        let id = scheduler.enqueue::<Stubborn>(&()).await.unwrap();
+        assert_eq!(
+            within(10, "generation 1 to start", started.recv()).await,
+            Some(1)
+        );
+        // Another process's reaper (clock ahead) takes the lease back and makes the job
+        // due now; this same scheduler claims it again as generation 2.
+        sqlx::query(&format!(
+            "UPDATE {} SET state = 'pending', owner = NULL, lease_until = NULL, available_at = now() WHERE id = $1",
+            db.table("jobs")
+        ))
+        .bind(id.0)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            within(10, "generation 2 to start", started.recv()).await,
+            Some(2)
+        );
+
+        wait_until(30, "the job to finish", || async {
+            let job = db.store.job(id).await.unwrap();
+            job.state.is_terminal() || job.generation.0 > 2
+        })
+        .await;
+        let m = scheduler.metrics();
+        scheduler.shutdown().await.unwrap();
+        // Generation 2 kept its lease for four leases: the end of generation 1 in the same
+        // process (abandoned after it ignored the loss) did not stop its renewal. (Ending
+        // attempts by job id alone fails here: generation 2 expires and is claimed again.)
+        let job = db.store.job(id).await.unwrap();
+        assert_eq!(job.state, JobState::Done, "{job:?}");
+        assert_eq!((job.generation.0, job.attempts), (2, 2), "{job:?}");
+        assert_eq!(job.result, Some(serde_json::json!(2)));
+        assert_eq!(db.count_where("lease_expiries", "true").await, 0);
+        // Generation 1 was told its lease is gone, and counted once.
+        assert_eq!(*first_told.lock().unwrap(), Some(CancelReason::LeaseLost));
+        assert_eq!(m.counters.leases_lost, 1, "{:?}", m.counters);
+        db.drop().await;
+    }))
+}

@@ -1,10 +1,16 @@
 //! Lease renewer: extends the leases of this scheduler's running jobs, in batches.
 //!
+//! # What it renews
+//! The attempts in the scheduler's running registry ([`Running`]), read at each tick.
+//! Executions add and remove themselves there; they send the renewer nothing. Two
+//! messages per attempt to another thread cost more than the rest of a no-op job's
+//! client work (about a quarter of the throughput at concurrency 32, measured), and the
+//! registry already holds what renewal needs. When one process holds two generations of
+//! a job (its old attempt still running after its lease was taken back, and the job
+//! claimed again here), only the newest is renewed, and the older is told its lease is
+//! lost.
+//!
 //! # Messages
-//! - [`Track`] / [`Untrack`]: an attempt started / ended. Both name the generation: one
-//!   process can hold two generations of a job at once (its old attempt still running
-//!   after its lease was taken back, and the job claimed again by this same process),
-//!   and the end of one must not stop the renewal of the other.
 //! - [`RenewNow`]: renew at once (tests; the interval does the same).
 //!
 //! # Lifecycle
@@ -20,26 +26,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use actix::prelude::*;
+use dashmap::DashMap;
 
 use crate::context::{CancelReason, JobContext};
 use crate::job::{Generation, JobId, OwnerId};
 use crate::metrics::{MailboxMeter, Metrics};
 use crate::store::Store;
 
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct Track {
-    pub job: JobId,
-    pub generation: Generation,
-    pub ctx: JobContext,
-}
-
-#[derive(Message)]
-#[rtype(result = "()")]
-pub(crate) struct Untrack {
-    pub job: JobId,
-    pub generation: Generation,
-}
+/// Attempts running in this scheduler now, by job and generation.
+pub(crate) type Running = Arc<DashMap<(JobId, Generation), JobContext>>;
 
 /// Renew now; resolves with (renewed, lost) counts.
 #[derive(Message)]
@@ -51,17 +46,29 @@ pub(crate) struct LeaseRenewer {
     owner: OwnerId,
     lease: std::time::Duration,
     interval: std::time::Duration,
-    tracked: HashMap<JobId, (Generation, JobContext)>,
+    running: Running,
     renewing: bool,
     meter: Arc<MailboxMeter>,
     metrics: Arc<Metrics>,
     capacity: usize,
 }
 
+/// Tell an attempt its lease is gone, counting it once.
+fn lost(metrics: &Metrics, job: JobId, generation: Generation, ctx: &JobContext) -> bool {
+    if ctx.cancel_reason().is_some() {
+        return false;
+    }
+    metrics.incr(|c| &c.leases_lost);
+    tracing::warn!(job = %job, generation = %generation, "leasehold lease lost; cancelling the attempt");
+    ctx.cancel(CancelReason::LeaseLost);
+    true
+}
+
 impl LeaseRenewer {
     pub fn new(
         store: Store,
         owner: OwnerId,
+        running: Running,
         config: &crate::Config,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -70,7 +77,7 @@ impl LeaseRenewer {
             owner,
             lease: config.lease,
             interval: config.renew_interval,
-            tracked: HashMap::new(),
+            running,
             renewing: false,
             meter: metrics.meter("lease_renewer"),
             metrics,
@@ -78,13 +85,29 @@ impl LeaseRenewer {
         }
     }
 
+    /// The newest running generation of each job; older ones are told they lost.
+    fn newest(&self) -> Vec<(JobId, Generation)> {
+        let mut newest: HashMap<JobId, Generation> = HashMap::new();
+        for entry in self.running.iter() {
+            let (job, generation) = *entry.key();
+            let g = newest.entry(job).or_insert(generation);
+            *g = (*g).max(generation);
+        }
+        for entry in self.running.iter() {
+            let (job, generation) = *entry.key();
+            if newest.get(&job).is_some_and(|g| *g > generation) {
+                lost(&self.metrics, job, generation, entry.value());
+            }
+        }
+        newest.into_iter().collect()
+    }
+
     fn renew_once(&mut self) -> Option<impl ActorFuture<Self, Output = (usize, usize)>> {
-        if self.renewing || self.tracked.is_empty() {
+        if self.renewing || self.running.is_empty() {
             return None;
         }
+        let jobs = self.newest();
         self.renewing = true;
-        let jobs: Vec<(JobId, Generation)> =
-            self.tracked.iter().map(|(id, (g, _))| (*id, *g)).collect();
         let store = self.store.clone();
         let owner = self.owner.clone();
         let lease = self.lease;
@@ -94,22 +117,17 @@ impl LeaseRenewer {
             match res {
                 Ok(report) => {
                     act.metrics.add(|c| &c.leases_renewed, report.renewed.len() as u64);
-                    let mut lost = 0;
+                    let mut n_lost = 0;
                     for id in report.lost {
-                        // Untracked meanwhile (the attempt ended), or replaced by a newer
-                        // generation of this job: not a loss of what is tracked now.
-                        let sent = sent.iter().find(|(j, _)| *j == id).map(|(_, g)| *g);
-                        if act.tracked.get(&id).map(|(g, _)| *g) != sent {
+                        // Ended meanwhile (no longer in the registry): not a loss.
+                        let Some(generation) = sent.iter().find(|(j, _)| *j == id).map(|(_, g)| *g) else {
                             continue;
-                        }
-                        if let Some((generation, ctx)) = act.tracked.remove(&id) {
-                            lost += 1;
-                            act.metrics.incr(|c| &c.leases_lost);
-                            tracing::warn!(job = %id, generation = %generation, "leasehold lease lost; cancelling the attempt");
-                            ctx.cancel(CancelReason::LeaseLost);
+                        };
+                        if let Some(ctx) = act.running.get(&(id, generation)) {
+                            n_lost += usize::from(lost(&act.metrics, id, generation, ctx.value()));
                         }
                     }
-                    (report.renewed.len(), lost)
+                    (report.renewed.len(), n_lost)
                 }
                 Err(e) => {
                     act.metrics.incr(|c| &c.db_errors);
@@ -131,37 +149,6 @@ impl Actor for LeaseRenewer {
                 ctx.spawn(f.map(|_, _, _| ()));
             }
         });
-    }
-}
-
-impl Handler<Track> for LeaseRenewer {
-    type Result = ();
-    fn handle(&mut self, msg: Track, _: &mut Self::Context) {
-        let _m = self.meter.handling();
-        // This process claimed the job again: the generation it tracked before has lost
-        // its lease for certain. Tell that attempt, and renew only the newest.
-        match self.tracked.get(&msg.job) {
-            Some((g, old)) if *g < msg.generation => {
-                self.metrics.incr(|c| &c.leases_lost);
-                old.cancel(CancelReason::LeaseLost);
-            }
-            Some((g, _)) if *g > msg.generation => {
-                msg.ctx.cancel(CancelReason::LeaseLost);
-                return;
-            }
-            _ => {}
-        }
-        self.tracked.insert(msg.job, (msg.generation, msg.ctx));
-    }
-}
-
-impl Handler<Untrack> for LeaseRenewer {
-    type Result = ();
-    fn handle(&mut self, msg: Untrack, _: &mut Self::Context) {
-        let _m = self.meter.handling();
-        if self.tracked.get(&msg.job).map(|(g, _)| *g) == Some(msg.generation) {
-            self.tracked.remove(&msg.job);
-        }
     }
 }
 
