@@ -99,6 +99,25 @@ pub async fn throughput(store: &Store, concurrency: usize, n: u64, history: bool
     setup::reset(store).await;
     setup::raw_copy(store, "noop", n).await;
     setup::analyze(store).await;
+    drain_noop(
+        store,
+        concurrency,
+        history,
+        n,
+        Duration::from_secs(30 + n / 200),
+    )
+    .await
+}
+
+/// Start a no-op scheduler on the loaded table and time it until `n` jobs completed;
+/// jobs/s.
+async fn drain_noop(
+    store: &Store,
+    concurrency: usize,
+    history: bool,
+    n: u64,
+    limit: Duration,
+) -> f64 {
     let done = Arc::new(AtomicU64::new(0));
     let cpu0 = setup::cpu_secs();
     let t0 = Instant::now();
@@ -107,7 +126,6 @@ pub async fn throughput(store: &Store, concurrency: usize, n: u64, history: bool
         .start()
         .await
         .expect("start scheduler");
-    let limit = Duration::from_secs(30 + n / 200);
     wait_until("the scheduler to drain", limit, || {
         s.metrics().counters.completed >= n
     })
@@ -210,22 +228,14 @@ pub async fn keyed(
     load_keyed(store, keys, per_key, "noop", "k").await;
     setup::analyze(store).await;
     let n = keys * per_key;
-    let done = Arc::new(AtomicU64::new(0));
-    let t0 = Instant::now();
-    let s = Scheduler::builder(store.pool().clone(), config(concurrency, history))
-        .register(Noop { done: done.clone() })
-        .start()
-        .await
-        .expect("start scheduler");
-    wait_until(
-        "keyed jobs to drain",
+    drain_noop(
+        store,
+        concurrency,
+        history,
+        n,
         Duration::from_secs(30 + n / 100),
-        || s.metrics().counters.completed >= n,
     )
-    .await;
-    let took = t0.elapsed().as_secs_f64();
-    s.shutdown().await.expect("shutdown");
-    n as f64 / took
+    .await
 }
 
 // ---------------------------------------------------------------------------------
