@@ -27,6 +27,9 @@ pub const DEFAULT_SEQUENCER_IDLE: Duration = Duration::from_secs(5);
 pub const DEFAULT_MAILBOX_CAPACITY: usize = 4096;
 pub const DEFAULT_COMPLETION_BATCH: usize = 128;
 pub const DEFAULT_COMPLETION_FLUSH: Duration = Duration::from_millis(2);
+/// The longest duration any field accepts (100 years): deadlines are computed on the
+/// monotonic clock and as PostgreSQL intervals, and both overflow far beyond it.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// How failed attempts are retried.
 #[derive(Clone, Debug, PartialEq)]
@@ -144,8 +147,50 @@ fn refuse(field: &'static str, reason: impl Into<String>) -> Error {
 }
 
 impl Config {
+    /// The store options this config implies: `store`, with the attempts of `retry`.
+    /// One source of defaults: a [`crate::Store`] made with [`crate::Store::for_config`]
+    /// enqueues with exactly what a scheduler with this config would.
+    pub fn store_options(&self) -> StoreOptions {
+        let mut options = self.store.clone();
+        options.default_max_attempts = self.retry.max_attempts;
+        options
+    }
+
+    /// Every duration field with its name, for the range check.
+    fn durations(&self) -> Vec<(&'static str, Duration)> {
+        let mut all = vec![
+            ("lease", self.lease),
+            ("renew_interval", self.renew_interval),
+            ("poll_interval_min", self.poll_interval_min),
+            ("poll_interval_max", self.poll_interval_max),
+            ("retry.backoff.base", self.retry.backoff.base),
+            ("retry.backoff.cap", self.retry.backoff.cap),
+            ("max_run_time", self.max_run_time),
+            ("reaper_interval", self.reaper_interval),
+            ("shutdown_grace", self.shutdown_grace),
+            ("effect_keep", self.effect_keep),
+            ("sequencer_idle", self.sequencer_idle),
+            ("completion_flush", self.completion_flush),
+        ];
+        if let Some(r) = self.retention {
+            all.push(("retention", r));
+        }
+        all
+    }
+
     /// Check every field; the error names the first one refused.
     pub fn validate(&self) -> Result<()> {
+        for (field, d) in self.durations() {
+            if d > MAX_DURATION {
+                return Err(refuse(
+                    field,
+                    format!(
+                        "{} is longer than the longest duration accepted (100 years)",
+                        humantime::format_duration(d)
+                    ),
+                ));
+            }
+        }
         crate::store::Schema::new(&self.schema).map_err(|e| refuse("schema", e.to_string()))?;
         if self.queues.is_empty() {
             return Err(refuse("queues", "at least one queue is needed"));
@@ -212,8 +257,17 @@ impl Config {
                 "batch size and flush interval must be positive",
             ));
         }
-        if self.store.max_payload_bytes == 0 {
-            return Err(refuse("store.max_payload_bytes", "must be positive"));
+        if self.store.max_payload_bytes == 0 || self.store.max_payload_bytes > i32::MAX as usize {
+            return Err(refuse(
+                "store.max_payload_bytes",
+                "must be positive and below 2 GiB",
+            ));
+        }
+        if self.store.max_result_bytes == 0 {
+            return Err(refuse("store.max_result_bytes", "must be positive"));
+        }
+        if self.sequencer_idle.is_zero() {
+            return Err(refuse("sequencer_idle", "must be positive"));
         }
         let window = self.longest_retry_window();
         if self.effect_keep < window {

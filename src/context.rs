@@ -11,7 +11,9 @@
 //! attempt gets the recorded outcome back instead of acting again.
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -33,6 +35,10 @@ pub enum CancelReason {
     Shutdown,
     /// The attempt exceeded the maximum run time.
     Timeout,
+    /// An operator cancelled the job while it ran. Stop: if the handler still returns
+    /// `Ok`, the job is done (the work happened); an error or a stop makes it
+    /// cancelled.
+    Cancelled,
 }
 
 /// A stable effect key: `"<job id>/<step>"`.
@@ -66,12 +72,35 @@ struct Inner {
     store: Store,
     cancel: CancellationToken,
     reason: Mutex<Option<CancelReason>>,
-    effect_keep: std::time::Duration,
+    effect_keep: Duration,
     completed_in_tx: Mutex<bool>,
+    /// The local lease deadline, in nanoseconds after [`base`]: see
+    /// [`JobContext::lease_deadline`].
+    deadline: AtomicU64,
+    /// The handler has returned and the attempt's ending is being written: a renewal
+    /// that misses the job now is the ending landing, not a lost lease.
+    ending: AtomicBool,
+}
+
+/// The origin of the monotonic deadlines kept as integers.
+fn base() -> Instant {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    *BASE.get_or_init(Instant::now)
+}
+
+fn to_nanos(at: Instant) -> u64 {
+    at.saturating_duration_since(base()).as_nanos() as u64
 }
 
 impl JobContext {
-    pub(crate) fn new(job: ClaimedJob, store: Store, effect_keep: std::time::Duration) -> Self {
+    /// A context for a claimed attempt whose lease is confirmed until `deadline` on
+    /// this process's monotonic clock (see [`JobContext::lease_deadline`]).
+    pub(crate) fn new(
+        job: ClaimedJob,
+        store: Store,
+        effect_keep: Duration,
+        deadline: Instant,
+    ) -> Self {
         JobContext {
             inner: Arc::new(Inner {
                 job,
@@ -80,8 +109,47 @@ impl JobContext {
                 reason: Mutex::new(None),
                 effect_keep,
                 completed_in_tx: Mutex::new(false),
+                deadline: AtomicU64::new(to_nanos(deadline)),
+                ending: AtomicBool::new(false),
             }),
         }
+    }
+
+    /// Until when this process may treat the attempt's lease as its own, on the
+    /// monotonic clock: the send time of the latest renewal (or the claim) the database
+    /// confirmed, plus the lease, less a margin (half the renew interval). Renewal moves
+    /// it on; if it passes, the scheduler cancels the handler (`LeaseLost`) and stops it
+    /// before the lease can expire in the database, where another process could claim
+    /// the job — whether or not the database answered.
+    pub fn lease_deadline(&self) -> Instant {
+        base() + Duration::from_nanos(self.inner.deadline.load(SeqCst))
+    }
+
+    /// Time left before [`JobContext::lease_deadline`]; zero once it has passed.
+    pub fn lease_remaining(&self) -> Duration {
+        self.lease_deadline()
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// A renewal sent at some moment confirmed the lease: move the deadline on (never
+    /// back).
+    pub(crate) fn confirm_lease(&self, deadline: Instant) {
+        self.inner.deadline.fetch_max(to_nanos(deadline), SeqCst);
+    }
+
+    /// The lease is the attempt's to use: not cancelled, deadline not passed.
+    pub(crate) fn lease_live(&self) -> bool {
+        !self.is_cancelled() && Instant::now() < self.lease_deadline()
+    }
+
+    pub(crate) fn set_ending(&self) {
+        self.inner.ending.store(true, SeqCst);
+    }
+
+    /// The handler returned (or the job completed in the handler's own transaction):
+    /// the job leaving the running state now is this attempt's own doing.
+    pub(crate) fn is_ending(&self) -> bool {
+        self.inner.ending.load(SeqCst) || self.completed_in_tx()
     }
 
     pub fn job_id(&self) -> JobId {

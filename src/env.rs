@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 use dashmap::DashMap;
 use tokio_util::sync::CancellationToken;
@@ -12,6 +13,7 @@ use crate::actor::lease_renewer::{LeaseRenewer, Running};
 use crate::actor::sequencer::SequencerHandle;
 use crate::actor::{Metered, Slots};
 use crate::config::Config;
+use crate::context::JobContext;
 use crate::handler::Registry;
 use crate::job::{ClaimedJob, OwnerId};
 use crate::metrics::Metrics;
@@ -33,8 +35,11 @@ pub(crate) struct Env {
     pub claimer: OnceLock<Metered<Claimer>>,
     /// Live sequencers by (queue, key).
     pub sequencers: DashMap<(String, String), SequencerHandle>,
-    /// Attempts running now, by job and generation (one process may hold an old
-    /// attempt and a newer claim of the same job), for the lease renewer and shutdown.
+    /// Attempts this scheduler holds, by job and generation (one process may hold an old
+    /// attempt and a newer claim of the same job): from the moment of their claim until
+    /// their ending is written or they are released, whether running, parked for a
+    /// slot, or queued behind their key's running job. The lease renewer renews exactly
+    /// these.
     pub running: Running,
     /// Fired when shutdown begins: from then on nothing claims (the claimer stops, and
     /// sequencers stop fetching their key's next job).
@@ -43,13 +48,41 @@ pub(crate) struct Env {
     /// their jobs released.
     pub hard_stop: CancellationToken,
     /// Keyed successors claimed by a completion while every slot was busy: the claimer
-    /// hands each the next free slot before it claims anything new.
-    pub parked: Mutex<VecDeque<ClaimedJob>>,
+    /// hands each the next free slot before it claims anything new. Their leases are
+    /// renewed meanwhile (they are in `running`).
+    pub parked: Mutex<VecDeque<JobContext>>,
 }
 
 impl Env {
+    /// Start tracking a job claimed by a statement sent at `sent`: its lease is renewed
+    /// from now on, and its local deadline counts from `sent` (the database computed
+    /// the lease after that moment).
+    pub fn track(&self, job: ClaimedJob, sent: Instant) -> JobContext {
+        let ctx = JobContext::new(
+            job,
+            self.store.clone(),
+            self.config.effect_keep,
+            self.lease_deadline_after(sent),
+        );
+        let job = ctx.job();
+        self.running.insert((job.id, job.generation), ctx.clone());
+        ctx
+    }
+
+    /// Stop tracking an attempt (its ending was written, or it was released).
+    pub fn untrack(&self, ctx: &JobContext) {
+        self.running.remove(&(ctx.job_id(), ctx.generation()));
+    }
+
+    /// The local deadline of a lease the database confirmed for a statement sent at
+    /// `sent`: `sent + lease − renew_interval / 2`. The margin leaves time to stop the
+    /// handler (a quarter of the renew interval) before the lease can expire.
+    pub fn lease_deadline_after(&self, sent: Instant) -> Instant {
+        sent + self.config.lease - self.config.renew_interval / 2
+    }
+
     /// Queue a claimed successor for the next free slot.
-    pub fn park(&self, job: ClaimedJob) {
+    pub fn park(&self, job: JobContext) {
         self.parked
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -66,6 +66,12 @@ pub enum Error {
     #[error("the scheduler is shutting down")]
     ShuttingDown,
 
+    /// A batched statement was refused by the database (the message is the database's),
+    /// reported to each write of the batch. Not a lost connection: trying again as is
+    /// will fail the same way.
+    #[error("the database refused the statement: {0}")]
+    Refused(String),
+
     /// A stored value could not be decoded (a corrupted row, or a bug).
     #[error("cannot decode {what}: {reason}")]
     Decode { what: &'static str, reason: String },
@@ -81,6 +87,22 @@ impl Error {
         match self {
             Error::Database(e) => is_connection_error(e),
             _ => false,
+        }
+    }
+}
+
+impl Error {
+    /// True when trying the same statement again may succeed: a lost connection, a
+    /// deadlock or serialization failure, a lock or statement timeout.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Database(sqlx::Error::Database(db)) => {
+                matches!(
+                    db.code().as_deref(),
+                    Some("40001" | "40P01" | "55P03" | "57014")
+                ) || self.is_connection()
+            }
+            _ => self.is_connection(),
         }
     }
 }

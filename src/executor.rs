@@ -1,15 +1,25 @@
-//! One attempt of one job: run the handler under its lease, then write the ending.
+//! One attempt of one job: check its lease is live, run the handler under it, then
+//! write the ending.
 //!
 //! The handler runs in its own task so a panic is caught and becomes a failed attempt.
 //! The attempt ends with exactly one fenced write: complete (through the completion
-//! batcher), fail (retry or dead), or release (shutdown). A write that fails on a
-//! connection error is retried with backoff while the lease lasts, and otherwise left
-//! to the reaper: it never takes the scheduler down.
+//! batcher), fail (retry, dead, or cancelled), or release (shutdown). A write that fails
+//! on a connection error is retried with backoff while the lease is still confirmed,
+//! and otherwise left to the reaper: it never takes the scheduler down.
+//!
+//! # Stopping a handler
+//!
+//! A handler is asked to stop through its context (lost lease, local lease deadline,
+//! operator cancel, timeout, shutdown), given a short grace, then aborted. The ending
+//! is written only after the handler's task has really ended (the abort awaited), so a
+//! key never moves on while an attempt of its head may still run in this process.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::actor::completer::Complete;
+use tokio::task::{JoinError, JoinHandle};
+
+use crate::actor::completer::{Complete, Completed};
 use crate::context::{CancelReason, JobContext};
 use crate::env::Env;
 use crate::error::Result;
@@ -23,9 +33,11 @@ pub(crate) enum Ended {
     Completed,
     Retrying,
     Dead,
+    /// An operator cancelled the job while it ran.
+    Cancelled,
     /// The fence was gone: another generation (or an operator) owns the job.
     Stale,
-    /// Given back at shutdown.
+    /// Given back (shutdown, or a lease not confirmed before the handler could start).
     Released,
     /// The ending could not be written (database unreachable); the lease will tell.
     Unknown,
@@ -34,11 +46,13 @@ pub(crate) enum Ended {
 enum Attempt {
     Succeeded(serde_json::Value),
     Failed(Failure),
-    /// Cancelled by shutdown: release without counting the attempt.
-    Interrupted,
-    /// The lease was lost and the handler did not stop: nothing to write.
+    /// Give the job back without counting the attempt, with this reason.
+    Release(&'static str),
+    /// The lease was lost: nothing to write.
     Abandoned,
 }
+
+type Joined = std::result::Result<std::result::Result<serde_json::Value, AttemptError>, JoinError>;
 
 /// Count jobs this scheduler holds (claimed and not yet ended, running or queued in a
 /// sequencer). Called synchronously when a claim returns, so shutdown never sees a
@@ -62,82 +76,113 @@ struct HeldJob<'a>(&'a Env);
 
 impl Drop for HeldJob<'_> {
     fn drop(&mut self) {
-        self.0
-            .metrics
-            .in_flight
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        unhold(self.0, 1);
     }
 }
 
-/// Run one claimed (and [`hold`]-counted) job to its ending, calling `ran` once the
-/// handler has returned, before the ending is
-/// written: the claimer frees the job's slot there, so the next claim overlaps the
-/// completion write.
-pub(crate) async fn execute_then(env: Arc<Env>, job: ClaimedJob, ran: impl FnOnce()) -> Ended {
-    attempt_once(env, job, ran, false).await.0
+/// Run one claimed (tracked and [`hold`]-counted) job to its ending, calling `ran` once
+/// the handler has returned, before the ending is written: the claimer frees the job's
+/// slot there, so the next claim overlaps the completion write.
+pub(crate) async fn execute_then(env: Arc<Env>, ctx: JobContext, ran: impl FnOnce()) -> Ended {
+    attempt_once(env, ctx, ran, false).await.0
 }
 
 /// What a completion through the batcher said about the key's next job.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) enum Successor {
-    /// No chained completion happened (not keyed, shutdown begun, completed in the
-    /// handler's own transaction, a replayed completion, a failure...).
+    /// No chained completion happened (not keyed, shutdown begun, no spare slot or
+    /// bytes, completed in the handler's own transaction, a failure...).
     #[default]
     NotAsked,
     /// Asked: the key has no successor the owner can claim now (none, not yet due, or
     /// of a kind it does not run; a promoted one is pending and announced).
     NoneClaimable,
-    /// Claimed in the completion's transaction, and counted as held.
-    Claimed(Box<ClaimedJob>),
+    /// Claimed in the completion's transaction: tracked (renewed) and counted as held.
+    Claimed(Box<JobContext>),
 }
 
-/// [`execute_then`] for a key's sequencer: a completion also claims the key's successor in
-/// its transaction (unless shutdown has begun), for the sequencer to run with the slot
-/// it holds.
+/// [`execute_then`] for a key's sequencer: a completion also claims the key's successor
+/// in its transaction (unless shutdown has begun), for the sequencer to run with the
+/// slot it holds.
 pub(crate) async fn execute_chained(
     env: Arc<Env>,
-    job: ClaimedJob,
+    ctx: JobContext,
     ran: impl FnOnce(),
 ) -> (Ended, Successor) {
-    attempt_once(env, job, ran, true).await
+    attempt_once(env, ctx, ran, true).await
 }
 
 async fn attempt_once(
     env: Arc<Env>,
-    job: ClaimedJob,
+    ctx: JobContext,
     ran: impl FnOnce(),
     chain: bool,
 ) -> (Ended, Successor) {
     let _held = HeldJob(&env);
-    let ctx = JobContext::new(job.clone(), env.store.clone(), env.config.effect_keep);
-    // The lease renewer reads this registry at each tick.
-    env.running.insert((job.id, job.generation), ctx.clone());
+    let job = ctx.job();
     if job.attempt == 1 {
         if let Ok(waited) = (job.claimed_at - job.created_at).to_std() {
             env.metrics.record_start(waited);
         }
     }
-    let attempt = run_handler(&env, &ctx, &job).await;
+    let attempt = match not_startable(&env, &ctx) {
+        Some(instead) => {
+            env.metrics.incr(|c| &c.not_started);
+            instead
+        }
+        None => run_handler(&env, &ctx).await,
+    };
+    ctx.set_ending();
     // Chain the key's successor only while another slot is free: under saturation it
     // waits its turn in the claimer's queue instead of holding a lease while parked.
     let spare = env.slots.free() > 0;
     ran();
+    let bytes_ok = env.slots.byte_room() >= env.config.store.max_payload_bytes as i64
+        || env.slots.bytes_in_use() == 0;
     let next = std::sync::Mutex::new(Successor::NotAsked);
     let chain =
-        (chain && spare && job.key.is_some() && !env.stop_claiming.is_cancelled()).then_some(&next);
-    let ended = write_ending(&env, &ctx, &job, attempt, chain).await;
+        (chain && spare && bytes_ok && job.key.is_some() && !env.stop_claiming.is_cancelled())
+            .then_some(&next);
+    let ended = write_ending(&env, &ctx, attempt, chain).await;
     let next = next.into_inner().unwrap_or_else(|p| p.into_inner());
     if matches!(next, Successor::Claimed(_)) {
         // Counted before this attempt's own hold ends, so shutdown never sees a gap.
         hold(&env, 1);
         env.metrics.incr(|c| &c.claimed);
     }
-
-    env.running.remove(&(job.id, job.generation));
+    env.untrack(&ctx);
     (ended, next)
 }
 
-async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
+/// Why a claimed attempt must not start its handler, if it must not: nothing runs
+/// without a live lease, and nothing new starts once shutdown's grace is over.
+fn not_startable(env: &Env, ctx: &JobContext) -> Option<Attempt> {
+    if env.hard_stop.is_cancelled() {
+        return Some(Attempt::Release("released at shutdown"));
+    }
+    match ctx.cancel_reason() {
+        Some(CancelReason::Shutdown) => Some(Attempt::Release("released at shutdown")),
+        Some(CancelReason::Cancelled) => Some(Attempt::Failed(Failure {
+            reason: "cancelled by operator before it started".into(),
+            permanent: true,
+        })),
+        Some(CancelReason::LeaseLost | CancelReason::Timeout) => Some(Attempt::Abandoned),
+        None if !ctx.lease_live() => Some(Attempt::Release(
+            "lease not confirmed before the handler could start",
+        )),
+        None => None,
+    }
+}
+
+async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
+    let job = ctx.job();
+    if let Some(reason) = &job.payload_error {
+        env.metrics.incr(|c| &c.decode_failures);
+        return Attempt::Failed(Failure {
+            reason: reason.clone(),
+            permanent: true,
+        });
+    }
     let Some(handler) = env.registry.get(&job.kind) else {
         // The claim filters on registered kinds, so this is a registry bug, not bad input.
         return Attempt::Failed(Failure {
@@ -147,18 +192,20 @@ async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
     };
     let mut task = tokio::spawn(handler.call(ctx.clone(), job.payload.clone()));
     let token = ctx.token();
-    let deadline = tokio::time::sleep(env.config.max_run_time);
-    tokio::pin!(deadline);
+    let run_deadline = tokio::time::sleep(env.config.max_run_time);
+    tokio::pin!(run_deadline);
+    let lease = lease_watch(ctx);
+    tokio::pin!(lease);
+    let quick = env.config.renew_interval / 4;
     let joined = tokio::select! {
         biased;
         joined = &mut task => joined,
         _ = env.hard_stop.cancelled() => return interrupted(ctx, task).await,
-        _ = &mut deadline => {
+        _ = &mut run_deadline => {
             ctx.cancel(CancelReason::Timeout);
             env.metrics.incr(|c| &c.timeouts);
             // A moment to notice the cancellation and clean up, then stop it.
-            let _ = tokio::time::timeout(Duration::from_millis(100), &mut task).await;
-            task.abort();
+            let _ = stop(task, Duration::from_millis(100)).await;
             return Attempt::Failed(Failure {
                 reason: format!(
                     "attempt exceeded the maximum run time of {}",
@@ -167,21 +214,72 @@ async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
                 permanent: false,
             });
         }
-        _ = token.cancelled() => {
-            if ctx.cancel_reason() == Some(CancelReason::Shutdown) {
-                return interrupted(ctx, task).await;
+        _ = &mut lease => {
+            if ctx.cancel_reason().is_none() {
+                env.metrics.incr(|c| &c.leases_lost);
+                env.metrics.incr(|c| &c.lease_deadlines);
+                tracing::warn!(job = %job.id, generation = %job.generation,
+                    "leasehold lease not confirmed by its local deadline; stopping the attempt before it can expire");
             }
-            // Lease lost: give the handler one renew interval to stop by itself; its
-            // ending is then written, and refused by the fence.
-            match tokio::time::timeout(env.config.renew_interval, &mut task).await {
-                Ok(joined) => joined,
-                Err(_) => {
-                    task.abort();
-                    return Attempt::Abandoned;
-                }
+            ctx.cancel(CancelReason::LeaseLost);
+            match stop(task, quick).await {
+                // Finished within the grace: its ending is still fenced.
+                Some(joined) => joined,
+                None => return Attempt::Failed(Failure {
+                    reason: "lease not confirmed in time (the database did not answer the renewals); stopped".into(),
+                    permanent: false,
+                }),
             }
         }
+        _ = token.cancelled() => match ctx.cancel_reason() {
+            Some(CancelReason::Shutdown) => return interrupted(ctx, task).await,
+            Some(CancelReason::Cancelled) => {
+                // The key waits for this attempt's ending: give the handler a renew
+                // interval to stop by itself, then stop it.
+                match stop(task, env.config.renew_interval).await {
+                    Some(joined) => joined,
+                    None => return Attempt::Failed(Failure {
+                        reason: "cancelled by operator; the handler was stopped".into(),
+                        permanent: true,
+                    }),
+                }
+            }
+            // Lease lost: the job is someone else's now; its ending is refused anyway.
+            _ => match stop(task, quick).await {
+                Some(joined) => joined,
+                None => return Attempt::Abandoned,
+            },
+        },
     };
+    attempt_from(env, joined)
+}
+
+/// Resolves once the attempt's local lease deadline has passed (renewals move it on).
+async fn lease_watch(ctx: &JobContext) {
+    loop {
+        let deadline = ctx.lease_deadline();
+        if Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep_until(deadline.into()).await;
+    }
+}
+
+/// Wait up to `grace` for the handler's task to end by itself; otherwise abort it and
+/// wait until it has really stopped. `None`: it was stopped.
+async fn stop(
+    mut task: JoinHandle<std::result::Result<serde_json::Value, AttemptError>>,
+    grace: Duration,
+) -> Option<Joined> {
+    if let Ok(joined) = tokio::time::timeout(grace, &mut task).await {
+        return Some(joined);
+    }
+    task.abort();
+    let _ = task.await;
+    None
+}
+
+fn attempt_from(env: &Env, joined: Joined) -> Attempt {
     match joined {
         Ok(Ok(value)) => Attempt::Succeeded(value),
         Ok(Err(AttemptError::Decode(reason))) => {
@@ -219,15 +317,47 @@ async fn run_handler(env: &Env, ctx: &JobContext, job: &ClaimedJob) -> Attempt {
 /// result; otherwise it is stopped and the job released (the attempt not counted).
 async fn interrupted(
     ctx: &JobContext,
-    mut task: tokio::task::JoinHandle<std::result::Result<serde_json::Value, AttemptError>>,
+    task: JoinHandle<std::result::Result<serde_json::Value, AttemptError>>,
 ) -> Attempt {
     ctx.cancel(CancelReason::Shutdown);
-    match tokio::time::timeout(Duration::from_millis(100), &mut task).await {
-        Ok(Ok(Ok(value))) => Attempt::Succeeded(value),
-        _ => {
-            task.abort();
-            Attempt::Interrupted
-        }
+    match stop(task, Duration::from_millis(100)).await {
+        Some(Ok(Ok(value))) => Attempt::Succeeded(value),
+        _ => Attempt::Release("released at shutdown"),
+    }
+}
+
+/// Why a handler's result cannot be stored, if it cannot: checked before it joins a
+/// completion batch, so it fails its own attempt and never the batch.
+fn unstorable_result(env: &Env, value: &serde_json::Value) -> Option<String> {
+    if value.is_null() {
+        return None;
+    }
+    if let Some(reason) = crate::store::unstorable_json(value, crate::store::MAX_PAYLOAD_DEPTH) {
+        return Some(format!("result cannot be stored: {reason}"));
+    }
+    let mut size = ByteCount(0);
+    if let Err(e) = serde_json::to_writer(&mut size, value) {
+        return Some(format!("result cannot be encoded: {e}"));
+    }
+    let limit = env.config.store.max_result_bytes;
+    (size.0 > limit).then(|| {
+        format!(
+            "result of {} bytes exceeds the limit of {limit} bytes (store.max_result_bytes)",
+            size.0
+        )
+    })
+}
+
+/// Counts what is written to it, so a result's size is known without a copy.
+struct ByteCount(usize);
+
+impl std::io::Write for ByteCount {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -235,18 +365,18 @@ async fn interrupted(
 async fn write_ending(
     env: &Env,
     ctx: &JobContext,
-    job: &ClaimedJob,
     attempt: Attempt,
     chain: Option<&std::sync::Mutex<Successor>>,
 ) -> Ended {
+    let job = ctx.job();
     let fence = job.fence();
-    // The handler completed inside its own transaction but that transaction did not
-    // commit (it returned Ok regardless): the business write is gone, so the attempt
-    // must not count as done. Fail it; the fence decides whether it is still ours.
     let attempt = match attempt {
+        // The handler completed inside its own transaction but that transaction did not
+        // commit (it returned Ok regardless): the business write is gone, so the attempt
+        // must not count as done. Fail it; the fence decides whether it is still ours.
         Attempt::Succeeded(v) if ctx.completed_in_tx() => {
-            match with_retries(env, job, || env.store.completion_status(&fence)).await {
-                Some(CompleteOutcome::Stale) => Attempt::Failed(Failure {
+            match with_retries(ctx, env, || env.store.completion_status(&fence)).await {
+                Ok(CompleteOutcome::Stale) => Attempt::Failed(Failure {
                     reason: "the handler's transaction that completed the job did not commit"
                         .into(),
                     permanent: false,
@@ -254,66 +384,87 @@ async fn write_ending(
                 _ => Attempt::Succeeded(v),
             }
         }
+        Attempt::Succeeded(v) => match unstorable_result(env, &v) {
+            Some(reason) => {
+                env.metrics.incr(|c| &c.results_refused);
+                Attempt::Failed(Failure {
+                    reason,
+                    permanent: true,
+                })
+            }
+            None => Attempt::Succeeded(v),
+        },
         other => other,
     };
     match attempt {
         Attempt::Succeeded(value) => {
             let outcome = if ctx.completed_in_tx() {
-                // The handler completed inside its own transaction; confirm it committed.
-                with_retries(env, job, || env.store.completion_status(&fence)).await
+                with_retries(ctx, env, || env.store.completion_status(&fence)).await
             } else {
                 let result = if value.is_null() { None } else { Some(value) };
-                with_retries(env, job, || {
-                    complete_via_batcher(env, &fence, job.key.is_some(), chain, result.clone())
+                with_retries(ctx, env, || {
+                    complete_via_batcher(env, job, chain, result.clone())
                 })
                 .await
             };
             match outcome {
-                Some(CompleteOutcome::Completed) => {
+                Ok(CompleteOutcome::Completed) => {
                     env.metrics.incr(|c| &c.completed);
                     Ended::Completed
                 }
-                Some(CompleteOutcome::AlreadyCompleted { .. }) => {
+                Ok(CompleteOutcome::AlreadyCompleted { .. }) => {
                     env.metrics.incr(|c| &c.completed);
                     if !ctx.completed_in_tx() {
                         env.metrics.incr(|c| &c.completion_replays);
                     }
                     Ended::Completed
                 }
-                Some(CompleteOutcome::Stale) => stale(env, job, "completion"),
-                None => Ended::Unknown,
+                Ok(CompleteOutcome::Stale) => stale(env, job, "completion"),
+                // The database refused to store the completion itself: fail the attempt
+                // for good with the reason, rather than leave it to expire and run again.
+                Err(e) if !e.is_transient() => {
+                    let failure = Failure {
+                        reason: format!("the completion could not be written: {e}"),
+                        permanent: true,
+                    };
+                    Box::pin(write_ending(env, ctx, Attempt::Failed(failure), None)).await
+                }
+                Err(_) => Ended::Unknown,
             }
         }
         Attempt::Failed(failure) => {
             tracing::warn!(job = %job.id, kind = %job.kind, attempt = job.attempt, reason = %failure.reason, "leasehold attempt failed");
             let backoff = env.config.retry.backoff;
-            match with_retries(env, job, || env.store.fail(&fence, &failure, &backoff)).await {
-                Some(FailOutcome::Retrying { .. }) => {
+            match with_retries(ctx, env, || env.store.fail(&fence, &failure, &backoff)).await {
+                Ok(FailOutcome::Retrying { .. }) => {
                     env.metrics.incr(|c| &c.failed);
                     Ended::Retrying
                 }
-                Some(FailOutcome::Dead) => {
+                Ok(FailOutcome::Dead) => {
                     env.metrics.incr(|c| &c.dead);
                     Ended::Dead
                 }
-                Some(FailOutcome::Stale) => stale(env, job, "failure"),
-                None => Ended::Unknown,
+                Ok(FailOutcome::Cancelled) => {
+                    env.metrics.incr(|c| &c.cancelled);
+                    Ended::Cancelled
+                }
+                Ok(FailOutcome::Stale) => stale(env, job, "failure"),
+                Err(_) => Ended::Unknown,
             }
         }
-        Attempt::Interrupted => {
+        Attempt::Release(reason) => {
             let held = [(job.id, job.generation)];
-            let released = with_retries(env, job, || {
-                env.store
-                    .release_many(&env.owner, &held, "released at shutdown")
+            let released = with_retries(ctx, env, || {
+                env.store.release_many(&env.owner, &held, reason)
             })
             .await;
             match released {
-                Some(ids) if !ids.is_empty() => {
+                Ok(ids) if !ids.is_empty() => {
                     env.metrics.incr(|c| &c.released);
                     Ended::Released
                 }
-                Some(_) => Ended::Stale,
-                None => Ended::Unknown,
+                Ok(_) => Ended::Stale,
+                Err(_) => Ended::Unknown,
             }
         }
         Attempt::Abandoned => stale(env, job, "abandoned attempt"),
@@ -328,27 +479,27 @@ fn stale(env: &Env, job: &ClaimedJob, what: &str) -> Ended {
 
 async fn complete_via_batcher(
     env: &Env,
-    fence: &crate::job::Fence,
-    keyed: bool,
+    job: &ClaimedJob,
     chain: Option<&std::sync::Mutex<Successor>>,
     result: Option<serde_json::Value>,
 ) -> Result<CompleteOutcome> {
+    let fence = job.fence();
     let (tx, rx) = tokio::sync::oneshot::channel();
     let msg = Complete {
         fence: fence.clone(),
-        keyed,
+        key: job.key.clone().map(|k| (job.queue.clone(), k)),
         chain: chain.is_some(),
         result: result.clone(),
         reply: tx,
     };
     if env.completer.tell(msg).is_err() {
-        return env.store.complete(fence, result).await;
+        return env.store.complete(&fence, result).await;
     }
     match rx.await {
-        Ok(Ok((outcome, next))) => {
+        Ok(Ok(Completed { outcome, successor })) => {
             if let (Some(slot), CompleteOutcome::Completed) = (chain, &outcome) {
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = match next {
-                    Some(job) => Successor::Claimed(Box::new(job)),
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = match successor {
+                    Some((job, sent)) => Successor::Claimed(Box::new(env.track(job, sent))),
                     None => Successor::NoneClaimable,
                 };
             }
@@ -356,27 +507,35 @@ async fn complete_via_batcher(
         }
         Ok(Err(e)) => Err(e),
         // The batcher went away (shutdown): write it directly.
-        Err(_) => env.store.complete(fence, result).await,
+        Err(_) => env.store.complete(&fence, result).await,
     }
 }
 
-/// Retry a fenced write on connection errors, with backoff, while the lease may still
-/// hold. `None`: gave up; the reaper will take the job back when its lease passes.
-async fn with_retries<T, F, Fut>(env: &Env, job: &ClaimedJob, mut write: F) -> Option<T>
+/// Retry a fenced write with backoff while this process still holds the lease (its
+/// local deadline: the renewer keeps moving it on while the database confirms the
+/// lease, however long a busy pool makes the write wait). Errors that may pass (a lost
+/// connection, a deadlock, a timeout) are retried for as long as that; an error the
+/// database gives for the statement itself is tried [`REFUSED_TRIES`] times.
+/// `Err`: gave up; the reaper takes the job back when its lease passes.
+async fn with_retries<T, F, Fut>(ctx: &JobContext, env: &Env, mut write: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    let give_up = tokio::time::Instant::now() + env.config.lease;
+    let job = ctx.job();
     let mut pause = Duration::from_millis(20);
+    let mut refused = 0;
     loop {
         match write().await {
-            Ok(v) => return Some(v),
+            Ok(v) => return Ok(v),
             Err(e) => {
                 env.metrics.incr(|c| &c.db_errors);
-                if tokio::time::Instant::now() + pause >= give_up {
+                if !e.is_transient() {
+                    refused += 1;
+                }
+                if refused >= REFUSED_TRIES || Instant::now() + pause >= ctx.lease_deadline() {
                     tracing::error!(job = %job.id, error = %e, "leasehold could not write the job's ending; leaving it to the lease");
-                    return None;
+                    return Err(e);
                 }
                 env.metrics.incr(|c| &c.completion_retries);
                 tracing::warn!(job = %job.id, error = %e, "leasehold ending write failed; retrying");
@@ -386,3 +545,6 @@ where
         }
     }
 }
+
+/// Tries of an ending write the database refuses for a reason other than a passing one.
+const REFUSED_TRIES: u32 = 3;

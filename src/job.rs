@@ -63,6 +63,19 @@ impl OwnerId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The owner id without its host part (`pid:nonce`), short enough for an
+    /// `application_name` (63 bytes), and unique all the same: the scheduler's own
+    /// connections carry it, so `pg_stat_activity` tells whose backend is whose.
+    pub fn short(&self) -> &str {
+        let parts: Vec<&str> = self.0.rsplitn(3, ':').collect();
+        if parts.len() == 3 {
+            let host_len = parts[2].len() + 1;
+            &self.0[host_len..]
+        } else {
+            &self.0
+        }
+    }
 }
 
 impl fmt::Display for OwnerId {
@@ -137,7 +150,13 @@ pub enum DeadKeyPolicy {
 /// A job to enqueue. Build with [`NewJob::new`] and the `with_*` setters.
 #[derive(Clone, Debug)]
 pub struct NewJob {
-    pub queue: String,
+    /// `None`: the enqueuing path's default queue, the first queue of a [`Scheduler`]
+    /// (so a job enqueued through it lands where it is served), or `"default"` through a
+    /// [`Store`].
+    ///
+    /// [`Scheduler`]: crate::Scheduler
+    /// [`Store`]: crate::Store
+    pub queue: Option<String>,
     pub kind: String,
     pub key: Option<String>,
     pub priority: i16,
@@ -152,7 +171,8 @@ pub struct NewJob {
 }
 
 impl NewJob {
-    /// A job of `kind` in the `default` queue with a typed payload.
+    /// A job of `kind` with a typed payload, in the default queue of the path that
+    /// enqueues it (see [`NewJob::queue`]).
     pub fn new(kind: impl Into<String>, payload: &impl Serialize) -> crate::Result<Self> {
         let payload = serde_json::to_value(payload)
             .map_err(|e| crate::Error::InvalidPayload(e.to_string()))?;
@@ -162,7 +182,7 @@ impl NewJob {
     /// A job with an already-built JSON payload.
     pub fn from_json(kind: impl Into<String>, payload: serde_json::Value) -> Self {
         NewJob {
-            queue: crate::config::DEFAULT_QUEUE.to_string(),
+            queue: None,
             kind: kind.into(),
             key: None,
             priority: 0,
@@ -175,8 +195,15 @@ impl NewJob {
     }
 
     pub fn with_queue(mut self, queue: impl Into<String>) -> Self {
-        self.queue = queue.into();
+        self.queue = Some(queue.into());
         self
+    }
+
+    /// The queue this job goes to through a [`crate::Store`]: its own, or `"default"`.
+    pub fn queue_name(&self) -> &str {
+        self.queue
+            .as_deref()
+            .unwrap_or(crate::config::DEFAULT_QUEUE)
     }
     /// Jobs with the same key (in one queue) run one at a time, in enqueue order.
     pub fn with_key(mut self, key: impl Into<String>) -> Self {
@@ -224,6 +251,9 @@ pub struct ClaimedJob {
     pub key_seq: Option<i64>,
     pub priority: i16,
     pub payload: serde_json::Value,
+    /// Set when the stored payload could not be decoded (`payload` is then null): the
+    /// scheduler makes such a job dead at once with this reason, never its batch.
+    pub payload_error: Option<String>,
     pub payload_bytes: i32,
     pub attempt: i32,
     pub max_attempts: i32,
@@ -255,6 +285,8 @@ pub struct JobRecord {
     pub priority: i16,
     pub state: JobState,
     pub payload: serde_json::Value,
+    /// Set when the stored payload or result could not be decoded (shown as null).
+    pub payload_error: Option<String>,
     pub result: Option<serde_json::Value>,
     pub attempts: i32,
     pub max_attempts: i32,
@@ -265,6 +297,9 @@ pub struct JobRecord {
     pub created_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
     pub last_error: Option<String>,
+    /// When an operator asked to cancel this job while it ran (it ends cancelled unless
+    /// that attempt completes).
+    pub cancel_requested_at: Option<DateTime<Utc>>,
 }
 
 /// One line of a job's history.
@@ -297,6 +332,9 @@ pub enum FailOutcome {
     Retrying { available_at: DateTime<Utc> },
     /// Attempts exhausted (or a permanent error): dead, with the reason stored.
     Dead,
+    /// An operator asked to cancel the job while this attempt ran: cancelled, and its
+    /// key moved on.
+    Cancelled,
     /// The worker no longer owns this generation: nothing was written.
     Stale,
 }

@@ -23,4 +23,4 @@ pub use job::{
 };
 pub use metrics::MetricsSnapshot;
 pub use scheduler::{Scheduler, SchedulerBuilder, ShutdownReport};
-pub use store::{Backoff, ClaimRequest, Failure, Store, StoreOptions};
+pub use store::{Backoff, CancelOutcome, ClaimRequest, Failure, Store, StoreOptions};

@@ -136,22 +136,44 @@ counters! {
     failed,
     /// Attempts that made the job dead.
     dead,
+    /// Attempts that ended their job cancelled (an operator asked while it ran).
+    cancelled,
     /// Completions (and failures) refused because the worker lost its fence.
     stale_completions,
     /// Completions whose reply was lost and found committed on asking again.
     completion_replays,
     /// Completion writes retried after a connection error.
     completion_retries,
-    /// Leases found lost at renewal (cancellation fired).
+    /// Leases lost while their attempt still ran: found gone at renewal, or not
+    /// confirmed before the attempt's local deadline (cancellation fired). An attempt
+    /// whose ending was being written is not counted.
     leases_lost,
+    /// Of `leases_lost`: attempts stopped by their local deadline because no renewal
+    /// confirmed the lease in time (the database did not answer, or the row stayed
+    /// locked by someone else).
+    lease_deadlines,
     /// Lease renewals that extended a lease.
     leases_renewed,
+    /// Renewals that skipped a lease because another transaction held its row (never
+    /// waited for; retried at the next tick).
+    leases_busy,
+    /// Renewal statements abandoned after `renew_interval` without an answer (the
+    /// renewer then opens a fresh connection).
+    renew_timeouts,
+    /// Running attempts an operator asked to cancel (told by NOTIFY or renewal).
+    cancels_requested,
+    /// Handler results refused before they were written (NUL, or over
+    /// `store.max_result_bytes`): the attempt failed for good.
+    results_refused,
     /// Expired leases this scheduler's reaper took back.
     reaped,
     /// Jobs given back at shutdown.
     released,
     /// Handler panics.
     panics,
+    /// Attempts not started because their lease was lost, or not confirmed in time,
+    /// while they waited for a slot or for their key.
+    not_started,
     /// Attempts that exceeded the maximum run time.
     timeouts,
     /// Payloads that could not be decoded (dead at once).

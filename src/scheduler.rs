@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use dashmap::DashMap;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::actor::claimer::{Claimer, StopClaiming, MAX_CLAIMS_IN_FLIGHT};
 use crate::actor::completer::Completer;
 use crate::actor::lease_renewer::{LeaseRenewer, RenewNow, Running};
-use crate::actor::listener::Listener;
+use crate::actor::listener::{Channels, Listener};
 use crate::actor::reaper::{ReapNow, Reaper};
 use crate::actor::{stopped, Metered, Slots, Stop};
 use crate::config::Config;
@@ -55,7 +55,7 @@ impl SchedulerBuilder {
     pub async fn start(self) -> Result<Scheduler> {
         let SchedulerBuilder {
             pool,
-            mut config,
+            config,
             registry,
         } = self;
         config.validate()?;
@@ -65,42 +65,39 @@ impl SchedulerBuilder {
                 reason: "register at least one handler".into(),
             });
         }
-        config.store.default_max_attempts = config.retry.max_attempts;
-        let store = Store::new(pool.clone(), &config.schema, config.store.clone())?;
+        let store = Store::for_config(pool.clone(), &config)?;
         store.migrate().await?;
         let owner = OwnerId::generate();
         let metrics = Arc::new(Metrics::default());
 
         let maintenance = Arbiter::new();
-        let connect = (*pool.connect_options()).clone();
-        let side_pool = move |name: &str| {
-            PgPoolOptions::new()
-                .max_connections(1)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_lazy_with(connect.clone().application_name(name))
+        let side = SidePools {
+            connect: (*pool.connect_options()).clone(),
+            owner: owner.clone(),
+            config: config.clone(),
         };
         let running: Running = Default::default();
         let renewer = {
             let (owner, config, m) = (owner.clone(), config.clone(), metrics.clone());
             let running = running.clone();
-            let addr = on_maintenance(
-                &maintenance,
-                &store,
-                side_pool.clone(),
-                "leasehold-renewer",
-                move |s| LeaseRenewer::new(s, owner, running, &config, m),
-            );
+            let fresh = side.clone();
+            let addr = on_maintenance(&maintenance, &store, side.maker("renewer"), move |s| {
+                LeaseRenewer::new(
+                    s,
+                    Box::new(move || fresh.pool("renewer")),
+                    owner,
+                    running,
+                    &config,
+                    m,
+                )
+            });
             Metered::new(addr, metrics.meter("lease_renewer"))
         };
         let reaper = {
             let (owner, config, m) = (owner.clone(), config.clone(), metrics.clone());
-            let addr = on_maintenance(
-                &maintenance,
-                &store,
-                side_pool.clone(),
-                "leasehold-reaper",
-                move |s| Reaper::new(s, owner, &config, m),
-            );
+            let addr = on_maintenance(&maintenance, &store, side.maker("reaper"), move |s| {
+                Reaper::new(s, owner, &config, m)
+            });
             Metered::new(addr, metrics.meter("reaper"))
         };
         let completer = Metered::new(
@@ -119,7 +116,7 @@ impl SchedulerBuilder {
             PgPoolOptions::new()
                 .max_connections(MAX_CLAIMS_IN_FLIGHT as u32)
                 .acquire_timeout(Duration::from_secs(5))
-                .connect_lazy_with(claim_session(&pool)),
+                .connect_lazy_with(claim_session(&pool, &owner)),
         );
         let env = Arc::new(Env {
             claim_store,
@@ -137,7 +134,7 @@ impl SchedulerBuilder {
             completer,
             claimer: Default::default(),
             sequencers: DashMap::new(),
-            running,
+            running: running.clone(),
             stop_claiming: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
             parked: Default::default(),
@@ -147,27 +144,86 @@ impl SchedulerBuilder {
         let _ = env.claimer.set(claimer.clone());
 
         let listener = if config.listen {
-            let (claimer, metrics, channel, mk) = (
-                claimer.clone(),
-                metrics.clone(),
-                store.schema().channel(),
-                side_pool,
-            );
+            let channels = Channels {
+                wake: store.schema().channel(),
+                cancel: store.schema().cancel_channel(),
+            };
+            let (claimer, metrics, side) = (claimer.clone(), metrics.clone(), side.clone());
             Some(Listener::start_in_arbiter(
                 &maintenance.handle(),
-                move |_| Listener::new(mk("leasehold-listener"), channel, claimer, metrics),
+                move |_| Listener::new(side.pool("listener"), channels, claimer, running, metrics),
             ))
         } else {
             None
         };
         tracing::info!(owner = %owner, queues = ?config.queues, kinds = ?env.kinds, "leasehold scheduler started");
-        Ok(Scheduler {
+        let core = Arc::new(Core {
             env,
             claimer,
             reaper,
             listener,
-            maintenance: Some(maintenance),
+            maintenance: std::sync::Mutex::new(Some(maintenance)),
+            report: tokio::sync::OnceCell::new(),
+        });
+        Ok(Scheduler {
+            _guard: Arc::new(DropGuard(core.clone())),
+            core,
         })
+    }
+}
+
+/// Session settings of the scheduler's maintenance connections (renewer, reaper): no
+/// statement of theirs may wait long on a lock or run away. The renewal never waits on
+/// a row lock by design (`SKIP LOCKED`); `lock_timeout` also bounds waits on table
+/// locks (a host's `LOCK TABLE` or DDL). Set only on the scheduler's own sessions; the
+/// host's pool is untouched.
+pub(crate) const MAINTENANCE_SESSION: &str =
+    "SET lock_timeout = '5s'; SET statement_timeout = '60s'; SET idle_in_transaction_session_timeout = '60s'";
+
+/// Makes the scheduler's own small pools, named after their role and the owner.
+#[derive(Clone)]
+struct SidePools {
+    connect: PgConnectOptions,
+    owner: OwnerId,
+    config: Config,
+}
+
+impl SidePools {
+    /// A one-connection pool for `role`, named `leasehold-<role> <pid>:<nonce>` in
+    /// `pg_stat_activity` (see [`OwnerId::short`]). The renewer and reaper sessions
+    /// get [`MAINTENANCE_SESSION`].
+    fn pool(&self, role: &str) -> PgPool {
+        let name = format!("leasehold-{role} {}", self.owner.short());
+        let maintenance = role != "listener";
+        let statement_timeout = self.config.renew_interval;
+        let renewer = role == "renewer";
+        PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if maintenance {
+                        sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(MAINTENANCE_SESSION))
+                            .await?;
+                    }
+                    if renewer {
+                        // A renewal is abandoned after one interval anyway (client side).
+                        let ms = statement_timeout.as_millis().max(100);
+                        sqlx::Executor::execute(
+                            &mut *conn,
+                            sqlx::raw_sql(&format!("SET statement_timeout = {ms}")),
+                        )
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_lazy_with(self.connect.clone().application_name(&name))
+    }
+
+    fn maker(&self, role: &'static str) -> impl FnOnce() -> PgPool + Send + 'static {
+        let me = self.clone();
+        move || me.pool(role)
     }
 }
 
@@ -177,10 +233,10 @@ impl SchedulerBuilder {
 /// guessed at a tenth of the table); the claim is written so the generic plan is the
 /// right one ([`Store::explain_claim`] shows it on a table of millions). The setting is
 /// made on sessions the scheduler owns, so the host's statements are left alone.
-fn claim_session(pool: &PgPool) -> sqlx::postgres::PgConnectOptions {
+fn claim_session(pool: &PgPool, owner: &OwnerId) -> PgConnectOptions {
     (*pool.connect_options())
         .clone()
-        .application_name("leasehold-claimer")
+        .application_name(&format!("leasehold-claimer {}", owner.short()))
         .options([("plan_cache_mode", "force_generic_plan")])
 }
 
@@ -191,26 +247,62 @@ fn on_maintenance<A, P>(
     arbiter: &Arbiter,
     store: &Store,
     side_pool: P,
-    app_name: &'static str,
     make: impl FnOnce(Store) -> A + Send + 'static,
 ) -> Addr<A>
 where
     A: Actor<Context = Context<A>>,
-    P: FnOnce(&str) -> PgPool + Send + 'static,
+    P: FnOnce() -> PgPool + Send + 'static,
 {
     let store = store.clone();
     A::start_in_arbiter(&arbiter.handle(), move |_| {
-        make(store.with_pool(side_pool(app_name)))
+        make(store.with_pool(side_pool()))
     })
 }
 
-/// A running scheduler. Stop it with [`Scheduler::shutdown`].
+/// A running scheduler: a cheap handle to clone and share (e.g. in actix-web's
+/// `web::Data`). Stop it with [`Scheduler::shutdown`], from any clone, any number of
+/// times. If the last handle is dropped without a shutdown, the scheduler shuts itself
+/// down in the background (it stops claiming at once and releases what it holds).
+#[derive(Clone)]
 pub struct Scheduler {
+    core: Arc<Core>,
+    /// Shared by the handles only: its drop means the last handle is gone.
+    _guard: Arc<DropGuard>,
+}
+
+struct Core {
     env: Arc<Env>,
     claimer: Metered<Claimer>,
     reaper: Metered<Reaper>,
     listener: Option<Addr<Listener>>,
-    maintenance: Option<Arbiter>,
+    maintenance: std::sync::Mutex<Option<Arbiter>>,
+    /// Set once by the first shutdown; later calls get the same report.
+    report: tokio::sync::OnceCell<ShutdownReport>,
+}
+
+struct DropGuard(Arc<Core>);
+
+impl Drop for DropGuard {
+    fn drop(&mut self) {
+        let core = self.0.clone();
+        if core.report.initialized() {
+            return;
+        }
+        // Stop claiming now, whatever happens to the rest.
+        core.env.stop_claiming.cancel();
+        tracing::warn!(owner = %core.env.owner, "leasehold scheduler dropped without shutdown(); shutting down in the background");
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    let _ = core.report.get_or_init(|| core.run_shutdown()).await;
+                });
+            }
+            Err(_) => {
+                // No runtime here: cancel what runs; leases of what was held expire.
+                core.env.hard_stop.cancel();
+            }
+        }
+    }
 }
 
 /// What a shutdown did.
@@ -220,9 +312,8 @@ pub struct ShutdownReport {
     pub drained: u64,
     /// Attempts cancelled after the grace period (their jobs released at once).
     pub cancelled: u64,
-    /// The final figures, taken after every actor stopped (`shutdown` consumes the
-    /// handle, so this is the only way to read them): `in_flight` and `sequencers`
-    /// are 0 after a clean stop.
+    /// The final figures, taken after every actor stopped: `in_flight` and
+    /// `sequencers` are 0 after a clean stop.
     pub metrics: MetricsSnapshot,
 }
 
@@ -235,69 +326,96 @@ impl Scheduler {
         }
     }
 
+    fn env(&self) -> &Arc<Env> {
+        &self.core.env
+    }
+
     /// Enqueue a job for handler `H` in the first configured queue.
     pub async fn enqueue<H: JobHandler>(&self, payload: &H::Payload) -> Result<JobId> {
-        self.enqueue_job(
-            NewJob::new(H::KIND, payload)?.with_queue(self.env.config.queues[0].clone()),
-        )
-        .await
+        self.enqueue_job(NewJob::new(H::KIND, payload)?).await
     }
 
-    /// Enqueue a job. Its kind must be registered here (a clear error otherwise); a
+    /// Enqueue a job this scheduler runs: its kind must be registered here, and its
+    /// queue (the first configured one when the job names none) one this scheduler
+    /// serves; a clear error otherwise, so no job waits for ever where nobody looks. A
     /// producer that enqueues for other processes uses [`Store::enqueue`].
     pub async fn enqueue_job(&self, job: NewJob) -> Result<JobId> {
-        self.check_kind(&job)?;
-        self.env.store.enqueue(job).await
+        let job = self.ours(job)?;
+        self.env().store.enqueue(job).await
     }
 
-    /// Enqueue inside the caller's transaction.
+    /// Enqueue inside the caller's transaction (the same checks as
+    /// [`Scheduler::enqueue_job`]).
     pub async fn enqueue_in(&self, conn: &mut PgConnection, job: NewJob) -> Result<JobId> {
-        self.check_kind(&job)?;
-        self.env.store.enqueue_in(conn, job).await
+        let job = self.ours(job)?;
+        self.env().store.enqueue_in(conn, job).await
     }
 
-    /// Enqueue many jobs in one statement.
+    /// Enqueue many jobs in one statement (the same checks as
+    /// [`Scheduler::enqueue_job`], for each).
     pub async fn enqueue_many(&self, jobs: Vec<NewJob>) -> Result<Vec<JobId>> {
-        for job in &jobs {
-            self.check_kind(job)?;
-        }
-        self.env.store.enqueue_many(jobs).await
+        let jobs = jobs
+            .into_iter()
+            .map(|j| self.ours(j))
+            .collect::<Result<Vec<_>>>()?;
+        self.env().store.enqueue_many(jobs).await
     }
 
-    fn check_kind(&self, job: &NewJob) -> Result<()> {
-        if !self.env.registry.contains(&job.kind) {
+    /// The job, in this scheduler's first queue when it names none, if this scheduler
+    /// runs it.
+    fn ours(&self, mut job: NewJob) -> Result<NewJob> {
+        let env = self.env();
+        if self.core.report.initialized() || env.stop_claiming.is_cancelled() {
+            return Err(Error::ShuttingDown);
+        }
+        if !env.registry.contains(&job.kind) {
             return Err(Error::UnknownKind(job.kind.clone()));
         }
-        Ok(())
+        let queues = &env.config.queues;
+        match &job.queue {
+            None => job.queue = Some(queues[0].clone()),
+            Some(q) if queues.contains(q) => {}
+            Some(q) => {
+                return Err(Error::InvalidInput {
+                    field: "queue",
+                    reason: format!(
+                        "{q:?} is not served by this scheduler (its queues: {queues:?}); enqueue \
+                         through Store::enqueue for a queue other processes serve"
+                    ),
+                })
+            }
+        }
+        Ok(job)
     }
 
     /// The store: admin actions, job lookup, history.
     pub fn store(&self) -> &Store {
-        &self.env.store
+        &self.env().store
     }
 
     /// This scheduler's owner id (unique per start).
     pub fn owner(&self) -> &OwnerId {
-        &self.env.owner
+        &self.env().owner
     }
 
     pub fn config(&self) -> &Config {
-        &self.env.config
+        &self.env().config
     }
 
     /// Counters, mailbox gauges and latencies of this scheduler.
     pub fn metrics(&self) -> MetricsSnapshot {
-        self.env.metrics.snapshot()
+        self.env().metrics.snapshot()
     }
 
     /// Queue figures from the database (all processes).
     pub async fn queue_stats(&self) -> Result<Vec<QueueStats>> {
-        self.env.store.queue_stats().await
+        self.env().store.queue_stats().await
     }
 
     /// Run one reap pass now.
     pub async fn reap_now(&self) -> Result<ReapReport> {
-        self.reaper
+        self.core
+            .reaper
             .ask(ReapNow)
             .await
             .map_err(|_| Error::ShuttingDown)?
@@ -305,7 +423,7 @@ impl Scheduler {
 
     /// Renew every running lease now; returns (renewed, lost).
     pub async fn renew_now(&self) -> Result<(usize, usize)> {
-        self.env
+        self.env()
             .renewer
             .ask(RenewNow)
             .await
@@ -315,7 +433,20 @@ impl Scheduler {
     /// Stop: no new claims; running attempts get `shutdown_grace` to finish; the rest are
     /// cancelled and their jobs released at once (claimable by any worker). Returns when
     /// every actor has stopped and the scheduler's own connections are closed.
-    pub async fn shutdown(mut self) -> Result<ShutdownReport> {
+    /// Idempotent: a second call (from any clone) waits for the first and returns the
+    /// same report.
+    pub async fn shutdown(&self) -> Result<ShutdownReport> {
+        let core = self.core.clone();
+        Ok(core
+            .report
+            .get_or_init(|| core.run_shutdown())
+            .await
+            .clone())
+    }
+}
+
+impl Core {
+    async fn run_shutdown(&self) -> ShutdownReport {
         let env = self.env.clone();
         let at_start = env
             .metrics
@@ -389,7 +520,12 @@ impl Scheduler {
         {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        if let Some(arbiter) = self.maintenance.take() {
+        let maintenance = self
+            .maintenance
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(arbiter) = maintenance {
             arbiter.stop();
             let _ = tokio::task::spawn_blocking(move || arbiter.join()).await;
         }
@@ -397,10 +533,10 @@ impl Scheduler {
             tracing::warn!("leasehold shutdown: an actor did not stop in time");
         }
         tracing::info!(owner = %env.owner, cancelled = left, "leasehold scheduler stopped");
-        Ok(ShutdownReport {
+        ShutdownReport {
             drained: at_start.saturating_sub(left),
             cancelled: left,
             metrics: env.metrics.snapshot(),
-        })
+        }
     }
 }

@@ -208,21 +208,44 @@ async fn cancelling_a_head_promotes_its_successor() {
         // A waiting job: cancelled in place, nobody promoted, order kept.
         db.store.cancel(ids[2], "not needed").await.unwrap();
         assert_eq!(state(&db, ids[3]).await, JobState::Waiting);
-        // A running head: its worker loses the fence, the successor is promoted.
+        // A running head: a request. It stays running and its key does not move on
+        // until the attempt ends; the renewal tells the worker; a failure cancels it.
         let running = claim_one(&db, &w).await;
         assert_eq!(running.id, ids[1]);
-        db.store.cancel(ids[1], "stop it").await.unwrap();
         assert_eq!(
-            db.store.complete(&running.fence(), None).await.unwrap(),
-            CompleteOutcome::Stale
+            db.store.cancel(ids[1], "stop it").await.unwrap(),
+            leasehold::CancelOutcome::Requested
         );
+        assert_eq!(state(&db, ids[1]).await, JobState::Running);
+        assert_eq!(
+            state(&db, ids[3]).await,
+            JobState::Waiting,
+            "the key waits for the attempt"
+        );
+        assert!(
+            db.store.claim(&claim_req(&w, 10)).await.unwrap().is_empty(),
+            "nothing of the key is claimable while its head runs"
+        );
+        let renewal = db
+            .store
+            .renew(&w, &[(running.id, running.generation)], LEASE)
+            .await
+            .unwrap();
+        assert_eq!(renewal.cancel_requested, vec![running.id]);
+        assert!(renewal.lost.is_empty());
         assert_eq!(
             db.store
-                .renew(&w, &[(running.id, running.generation)], LEASE)
+                .fail(
+                    &running.fence(),
+                    &Failure {
+                        reason: "stopped: cancelled".into(),
+                        permanent: false,
+                    },
+                    &fixed_backoff(1)
+                )
                 .await
-                .unwrap()
-                .lost,
-            vec![running.id]
+                .unwrap(),
+            FailOutcome::Cancelled
         );
         let next = claim_one(&db, &w).await;
         assert_eq!(next.id, ids[3], "the cancelled waiting job is skipped");

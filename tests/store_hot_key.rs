@@ -70,7 +70,7 @@ fn walk(plan: &Value, out: &mut Vec<JobsScan>) {
 async fn explain_claim(db: &TestDb, limit: i64, generic: bool) -> (Vec<JobsScan>, i64, Value) {
     let mut conn = db.raw_conn("explain").await;
     sqlx::query(&format!(
-        "PREPARE lh_claim(text[], text[], int8, int8, text, timestamptz, float8, bool) AS {}",
+        "PREPARE lh_claim(text[], text[], int8, int8, text, timestamptz, float8, bool, bool) AS {}",
         claim_sql(&db.schema)
     ))
     .execute(&mut conn)
@@ -84,7 +84,7 @@ async fn explain_claim(db: &TestDb, limit: i64, generic: bool) -> (Vec<JobsScan>
             .unwrap();
     }
     let plan: Value = sqlx::query_scalar(&format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE lh_claim(ARRAY['default'], NULL, {limit}, {}, 'explain', NULL, 30, true)",
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE lh_claim(ARRAY['default'], NULL, {limit}, {}, 'explain', NULL, 30, true, true)",
         i64::MAX
     ))
     .fetch_one(&mut *tx)

@@ -305,10 +305,10 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
         "pg_terminate_worker" | "pg_terminate_listener" => {
             let _g = h.pg_lock.lock().await;
             let sql = if kind == "pg_terminate_listener" {
-                "SELECT pid FROM pg_stat_activity WHERE datname = 'chaos' AND application_name = 'leasehold-listener'"
+                "SELECT pid FROM pg_stat_activity WHERE datname = 'chaos' AND application_name LIKE 'leasehold-listener%'"
             } else {
                 "SELECT pid FROM pg_stat_activity WHERE datname = 'chaos' AND pid <> pg_backend_pid() \
-                 AND (application_name LIKE 'chaos-w%' OR application_name IN ('leasehold-renewer', 'leasehold-reaper'))"
+                 AND (application_name LIKE 'chaos-w%' OR application_name LIKE 'leasehold-renewer%' OR application_name LIKE 'leasehold-reaper%')"
             };
             let mut pids: Vec<i32> = sqlx::query_scalar(sql)
                 .fetch_all(&h.admin)
@@ -444,7 +444,7 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
             let mut held = Vec::new();
             for id in chosen {
                 let r = tokio::time::timeout(Duration::from_secs(5), h.store.hold(JobId(id))).await;
-                if matches!(r, Ok(Ok(()))) {
+                if matches!(r, Ok(Ok(_))) {
                     held.push(id);
                 }
             }
@@ -504,7 +504,7 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                     h.store.cancel(JobId(id), "chaos operator cancel"),
                 )
                 .await;
-                if matches!(r, Ok(Ok(()))) {
+                if matches!(r, Ok(Ok(_))) {
                     cancelled.push(id);
                 }
             }

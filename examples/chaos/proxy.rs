@@ -22,7 +22,7 @@ pub enum Mode {
 pub struct Proxy {
     pub port: u16,
     mode: watch::Sender<Mode>,
-    /// Connections whose application_name is this are blackholed.
+    /// Connections whose application_name starts with this are blackholed.
     partial: watch::Sender<Option<String>>,
     cuts: watch::Sender<u64>,
     open: Arc<std::sync::atomic::AtomicU64>,
@@ -65,7 +65,7 @@ impl Proxy {
         let _ = self.mode.send(mode);
     }
 
-    /// Blackhole only the connections opened with this application_name (None: heal).
+    /// Blackhole only the connections whose application_name starts with this (None: heal).
     pub fn partition_app(&self, app: Option<&str>) {
         let _ = self.partial.send(app.map(str::to_string));
     }
@@ -136,7 +136,11 @@ struct Gate {
 impl Gate {
     fn blocked(&mut self) -> bool {
         *self.mode.borrow_and_update() == Mode::Blackhole
-            || self.partial.borrow_and_update().as_deref() == Some(self.app.as_str())
+            || self
+                .partial
+                .borrow_and_update()
+                .as_deref()
+                .is_some_and(|p| self.app.starts_with(p))
     }
 
     /// Wait until the connection may pass; then the delay to apply, if any.

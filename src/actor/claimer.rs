@@ -35,9 +35,9 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use super::sequencer::{RunJob, SequencerHandle};
+use crate::context::JobContext;
 use crate::env::Env;
 use crate::executor::{execute_then, hold, unhold};
-use crate::job::ClaimedJob;
 use crate::metrics::MailboxMeter;
 use crate::store::ClaimRequest;
 
@@ -124,7 +124,7 @@ impl Claimer {
 
     /// Claim into the free slots; `waited`: the coalescing wait is over.
     fn claim_after(&mut self, ctx: &mut Context<Self>, waited: bool) {
-        if self.stopping {
+        if self.stopping || self.env.stop_claiming.is_cancelled() {
             self.release_parked();
             return;
         }
@@ -162,6 +162,14 @@ impl Claimer {
             }
             self.coalescing = false;
         }
+        // The byte budget is spent while jobs hold it: a finishing job wakes us. (With
+        // nothing held, the first job is taken whatever its size.)
+        let byte_room = self.env.slots.byte_room();
+        let nothing_held = self.env.slots.bytes_in_use() == 0;
+        if byte_room == 0 && !nothing_held {
+            self.more_waiting = true;
+            return;
+        }
         let want = self.env.slots.take(cfg.claim_batch_max);
         if want == 0 {
             self.more_waiting = true;
@@ -169,7 +177,6 @@ impl Claimer {
             return;
         }
         self.claiming += 1;
-        let byte_room = self.env.slots.byte_room();
         let budget_binds =
             byte_room < (want as i64).saturating_mul(cfg.store.max_payload_bytes as i64);
         let req = ClaimRequest {
@@ -178,6 +185,7 @@ impl Claimer {
             kinds: Some(self.env.kinds.clone()),
             limit: want as i64,
             byte_budget: byte_room,
+            first_over_budget: nothing_held,
             lease: cfg.lease,
             at: None,
         };
@@ -197,7 +205,9 @@ impl Claimer {
                         env.metrics.add(|c| &c.claimed, got as u64);
                         hold(&env, got);
                         for job in jobs {
-                            act.dispatch(job);
+                            // Renewed from this moment, whatever waits before it runs.
+                            let ctx = env.track(job, started);
+                            act.dispatch(ctx);
                         }
                         act.more_waiting = got == want || (budget_binds && got > 0);
                         act.backlog = got == want;
@@ -245,7 +255,7 @@ impl Claimer {
 
     /// Shutdown: parked successors will not run here; give them back at once.
     fn release_parked(&mut self) {
-        let jobs: Vec<ClaimedJob> = self
+        let jobs: Vec<JobContext> = self
             .env
             .parked
             .lock()
@@ -256,7 +266,7 @@ impl Claimer {
             return;
         }
         let env = self.env.clone();
-        let held: Vec<_> = jobs.iter().map(|j| (j.id, j.generation)).collect();
+        let held: Vec<_> = jobs.iter().map(|j| (j.job_id(), j.generation())).collect();
         actix::spawn(async move {
             match env
                 .store
@@ -268,20 +278,24 @@ impl Claimer {
                     tracing::warn!(error = %e, "leasehold could not release parked jobs; their leases will expire")
                 }
             }
+            for ctx in &jobs {
+                env.untrack(ctx);
+            }
             unhold(&env, held.len());
         });
     }
 
     /// Run an unkeyed job as a task; give a keyed one to its key's sequencer.
-    fn dispatch(&mut self, job: ClaimedJob) {
+    fn dispatch(&mut self, ctx: JobContext) {
+        let job = ctx.job();
         self.env.slots.hold_bytes(job.payload_bytes);
         match job.key.clone() {
             None => {
                 let env = self.env.clone();
+                let bytes = job.payload_bytes;
                 actix::spawn(async move {
-                    let bytes = job.payload_bytes;
                     let slots = env.clone();
-                    execute_then(env.clone(), job, move || {
+                    execute_then(env.clone(), ctx, move || {
                         slots.slots.release_bytes(bytes);
                         slots.slots.finishing();
                         slots.wake_claimer();
@@ -292,7 +306,10 @@ impl Claimer {
                     }
                 });
             }
-            Some(key) => SequencerHandle::deliver(&self.env, (job.queue.clone(), key), RunJob(job)),
+            Some(key) => {
+                let queue = job.queue.clone();
+                SequencerHandle::deliver(&self.env, (queue, key), RunJob(ctx))
+            }
         }
     }
 }

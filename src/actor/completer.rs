@@ -12,11 +12,19 @@
 //! [`MAX_WRITES_IN_FLIGHT`]) when `completion_batch` completions are buffered, or when the
 //! oldest has waited `completion_flush` for a slow write.
 //!
+//! Unkeyed completions are written by one statement that never touches a key row;
+//! keyed ones in a transaction that locks their key rows first, skipping rows a host's
+//! open transaction holds (those are written afterwards, each waiting on its own), so no
+//! completion waits behind a key that is not its own.
+//!
 //! # Failure
-//! A failed batch replies the error to each waiter; the executor retries its own
-//! completion directly (the read-back makes that idempotent).
+//! A batch that fails on a lost connection replies the error to each waiter; the
+//! executor retries its own completion (the read-back makes that idempotent). A batch
+//! the database refused is written again one completion at a time, so one bad row
+//! fails only its own job.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
@@ -24,7 +32,7 @@ use tokio::sync::oneshot;
 use crate::error::{Error, Result};
 use crate::job::{ClaimedJob, CompleteOutcome, Fence, OwnerId};
 use crate::metrics::{MailboxMeter, Metrics};
-use crate::store::{Chain, Store};
+use crate::store::{Chain, KeyedItem, Store};
 
 /// Batches written at once, at most: enough to overlap a slow statement, few enough
 /// that batches stay large under load.
@@ -35,8 +43,9 @@ pub(crate) const MAX_WRITES_IN_FLIGHT: usize = 2;
 #[rtype(result = "()")]
 pub(crate) struct Complete {
     pub fence: Fence,
-    /// The job has a key: its completion must promote the successor, in a transaction.
-    pub keyed: bool,
+    /// The job's (queue, key): its completion must leave the key and promote the
+    /// successor, in a transaction.
+    pub key: Option<(String, String)>,
     /// Claim the key's promoted successor in that transaction too, for the sequencer
     /// that waits on this reply (it runs it with the slot it holds).
     pub chain: bool,
@@ -44,8 +53,12 @@ pub(crate) struct Complete {
     pub reply: oneshot::Sender<Result<Completed>>,
 }
 
-/// The outcome, and the key's successor when one was claimed for the sender.
-pub(crate) type Completed = (CompleteOutcome, Option<ClaimedJob>);
+/// The outcome, and the key's successor when one was claimed for the sender, with the
+/// moment the claiming statement was sent (its lease counts from then).
+pub(crate) struct Completed {
+    pub outcome: CompleteOutcome,
+    pub successor: Option<(ClaimedJob, Instant)>,
+}
 
 pub(crate) struct Completer {
     store: Store,
@@ -61,6 +74,16 @@ pub(crate) struct Completer {
     meter: Arc<MailboxMeter>,
     metrics: Arc<Metrics>,
     capacity: usize,
+}
+
+/// What the completer needs to write batches, off the actor.
+#[derive(Clone)]
+struct Writer {
+    store: Store,
+    owner: OwnerId,
+    kinds: Arc<[String]>,
+    lease: std::time::Duration,
+    metrics: Arc<Metrics>,
 }
 
 impl Completer {
@@ -87,6 +110,16 @@ impl Completer {
         }
     }
 
+    fn writer(&self) -> Writer {
+        Writer {
+            store: self.store.clone(),
+            owner: self.owner.clone(),
+            kinds: self.kinds.clone(),
+            lease: self.lease,
+            metrics: self.metrics.clone(),
+        }
+    }
+
     /// Write a batch if the batcher is idle, a full batch is buffered, or `forced` (the
     /// flush timer fired), within [`MAX_WRITES_IN_FLIGHT`].
     fn write(&mut self, ctx: &mut Context<Self>, forced: bool) {
@@ -105,60 +138,15 @@ impl Completer {
         self.writing += 1;
         let take = self.buffer.len().min(self.batch);
         let batch: Vec<Complete> = self.buffer.drain(..take).collect();
-        let items: Vec<_> = batch
-            .iter()
-            .map(|c| (c.fence.job, c.fence.generation, c.result.clone()))
-            .collect();
-        let keyed = batch.iter().any(|c| c.keyed);
-        let chain_wanted: Vec<bool> = batch.iter().map(|c| c.chain).collect();
-        let store = self.store.clone();
-        let owner = self.owner.clone();
-        let kinds = self.kinds.clone();
-        let lease = self.lease;
-        let metrics = self.metrics.clone();
         self.metrics.incr(|c| &c.completion_batches);
+        let writer = self.writer();
         ctx.spawn(
-            async move {
-                let written = if keyed {
-                    let chain = Chain {
-                        owner: &owner,
-                        kinds: &kinds,
-                        lease,
-                    };
-                    store
-                        .complete_many_chained(&owner, &items, &chain_wanted, Some(&chain))
-                        .await
-                } else {
-                    store
-                        .complete_unkeyed(&owner, &items)
-                        .await
-                        .map(|o| o.into_iter().map(|o| (o, None)).collect())
-                };
-                match written {
-                    Ok(outcomes) => {
-                        for (c, o) in batch.into_iter().zip(outcomes) {
-                            if let Err(Ok((_, Some(next)))) = c.reply.send(Ok(o)) {
-                                // Its sequencer is gone: give the successor back at once.
-                                let held = [(next.id, next.generation)];
-                                let _ = store.release_many(&owner, &held, "chained successor had no taker").await;
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        metrics.incr(|c| &c.db_errors);
-                        tracing::warn!(error = %e, n = batch.len(), "leasehold completion batch failed");
-                        let text = e.to_string();
-                        for c in batch {
-                            let _ = c.reply.send(Err(Error::Database(sqlx::Error::Protocol(text.clone()))));
-                        }
-                    }
-                }
-            }
-            .into_actor(self)
-            .map(|_, act, ctx| {
-                act.writing -= 1;
-                act.write(ctx, false);
-            }),
+            async move { writer.write(batch).await }
+                .into_actor(self)
+                .map(|_, act, ctx| {
+                    act.writing -= 1;
+                    act.write(ctx, false);
+                }),
         );
         if !self.buffer.is_empty() {
             self.write(ctx, false);
@@ -172,6 +160,137 @@ impl Completer {
                 act.timer = None;
                 act.write(ctx, true);
             }));
+        }
+    }
+}
+
+impl Writer {
+    /// Write a batch: the unkeyed completions in one statement that touches no key row,
+    /// the keyed ones in a transaction alongside it. Keyed completions whose key row a
+    /// host transaction holds are written afterwards, each waiting in a transaction of
+    /// its own, so the rest of the batch never waits behind them.
+    async fn write(self, batch: Vec<Complete>) {
+        let (keyed, unkeyed): (Vec<Complete>, Vec<Complete>) =
+            batch.into_iter().partition(|c| c.key.is_some());
+        let busy =
+            futures_util::future::join(self.write_unkeyed(unkeyed), self.write_keyed(keyed, false))
+                .await
+                .1;
+        if !busy.is_empty() {
+            tokio::spawn(async move {
+                let left = self.write_keyed(busy, true).await;
+                debug_assert!(left.is_empty(), "a waiting write leaves nothing behind");
+            });
+        }
+    }
+
+    async fn write_unkeyed(&self, batch: Vec<Complete>) {
+        if batch.is_empty() {
+            return;
+        }
+        let items: Vec<_> = batch
+            .iter()
+            .map(|c| (c.fence.job, c.fence.generation, c.result.clone()))
+            .collect();
+        match self.store.complete_unkeyed(&self.owner, &items).await {
+            Ok(outcomes) => {
+                for (c, outcome) in batch.into_iter().zip(outcomes) {
+                    let _ = c.reply.send(Ok(Completed {
+                        outcome,
+                        successor: None,
+                    }));
+                }
+            }
+            Err(e) => self.failed(batch, e, false).await,
+        }
+    }
+
+    /// Returns the completions whose key row was busy (only when `wait` is false).
+    async fn write_keyed(&self, batch: Vec<Complete>, wait: bool) -> Vec<Complete> {
+        if batch.is_empty() {
+            return batch;
+        }
+        let items: Vec<KeyedItem> = batch
+            .iter()
+            .map(|c| KeyedItem {
+                item: (c.fence.job, c.fence.generation, c.result.clone()),
+                key: c.key.clone().expect("keyed completions have a key"),
+                chain: c.chain,
+            })
+            .collect();
+        let chain = Chain {
+            owner: &self.owner,
+            kinds: &self.kinds,
+            lease: self.lease,
+        };
+        let sent = Instant::now();
+        let written = self
+            .store
+            .complete_keyed(&self.owner, &items, Some(&chain), wait)
+            .await;
+        match written {
+            Ok(outcomes) => {
+                let mut busy = Vec::new();
+                for (c, (outcome, next)) in batch.into_iter().zip(outcomes) {
+                    match outcome {
+                        None => busy.push(c),
+                        Some(outcome) => self.reply(c, outcome, next.map(|j| (j, sent))).await,
+                    }
+                }
+                busy
+            }
+            Err(e) => {
+                self.failed(batch, e, true).await;
+                Vec::new()
+            }
+        }
+    }
+
+    async fn reply(
+        &self,
+        c: Complete,
+        outcome: CompleteOutcome,
+        successor: Option<(ClaimedJob, Instant)>,
+    ) {
+        if let Err(Ok(Completed {
+            successor: Some((next, _)),
+            ..
+        })) = c.reply.send(Ok(Completed { outcome, successor }))
+        {
+            // Its sequencer is gone: give the successor back at once.
+            let held = [(next.id, next.generation)];
+            let _ = self
+                .store
+                .release_many(&self.owner, &held, "chained successor had no taker")
+                .await;
+        }
+    }
+
+    /// A batch statement failed. On an error that may pass (a lost connection, a
+    /// deadlock) every sender retries its own write. Any other error is a statement the database refused: write each completion
+    /// alone, so whatever caused it fails only its own job, never its neighbours.
+    async fn failed(&self, batch: Vec<Complete>, e: Error, keyed: bool) {
+        self.metrics.incr(|c| &c.db_errors);
+        tracing::warn!(error = %e, n = batch.len(), "leasehold completion batch failed");
+        if e.is_transient() || batch.len() == 1 {
+            let text = e.to_string();
+            let connection = e.is_transient();
+            for c in batch {
+                let _ = c.reply.send(Err(if connection {
+                    Error::Database(sqlx::Error::Protocol(text.clone()))
+                } else {
+                    Error::Refused(text.clone())
+                }));
+            }
+            return;
+        }
+        for c in batch {
+            if keyed {
+                let left = Box::pin(self.write_keyed(vec![c], true)).await;
+                debug_assert!(left.is_empty());
+            } else {
+                Box::pin(self.write_unkeyed(vec![c])).await;
+            }
         }
     }
 }

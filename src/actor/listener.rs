@@ -1,4 +1,9 @@
-//! Listener: LISTEN for enqueue wake-ups and pass them to the claimer as hints.
+//! Listener: LISTEN for enqueue wake-ups and pass them to the claimer as hints, and for
+//! cancel requests and pass them to the attempts they name.
+//!
+//! A cancel request names a job; every process checks its own running attempts, and
+//! the one running it cancels its handler with `CancelReason::Cancelled` at once. A
+//! request lost in a reconnect is still delivered by the attempt's next renewal.
 //!
 //! # Lifecycle
 //! Runs on the maintenance arbiter on its own connection. When the connection drops
@@ -15,13 +20,23 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::claimer::{Claimer, Wake};
+use super::lease_renewer::Running;
 use super::Metered;
+use crate::context::CancelReason;
 use crate::metrics::Metrics;
+
+/// The channels: enqueue wake-ups, and cancel requests.
+#[derive(Clone)]
+pub(crate) struct Channels {
+    pub wake: String,
+    pub cancel: String,
+}
 
 pub(crate) struct Listener {
     pool: PgPool,
-    channel: String,
+    channels: Channels,
     claimer: Metered<Claimer>,
+    running: Running,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 }
@@ -29,24 +44,45 @@ pub(crate) struct Listener {
 impl Listener {
     pub fn new(
         pool: PgPool,
-        channel: String,
+        channels: Channels,
         claimer: Metered<Claimer>,
+        running: Running,
         metrics: Arc<Metrics>,
     ) -> Self {
         Listener {
             pool,
-            channel,
+            channels,
             claimer,
+            running,
             metrics,
             stop: CancellationToken::new(),
         }
     }
 }
 
+/// An operator cancelled job `payload` (its id): cancel the attempts running it here.
+fn cancel_requested(running: &Running, metrics: &Metrics, payload: &str) {
+    let Ok(id) = payload.parse::<i64>() else {
+        return;
+    };
+    for entry in running.iter().filter(|e| e.key().0 .0 == id) {
+        let ctx = entry.value();
+        if ctx.cancel_reason().is_none() {
+            metrics.incr(|c| &c.cancels_requested);
+            tracing::info!(
+                job = id,
+                "leasehold cancel requested by an operator; stopping the attempt"
+            );
+            ctx.cancel(CancelReason::Cancelled);
+        }
+    }
+}
+
 async fn listen_loop(
     pool: PgPool,
-    channel: String,
+    channels: Channels,
     claimer: Metered<Claimer>,
+    running: Running,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
@@ -57,7 +93,8 @@ async fn listen_loop(
             let mut l = PgListener::connect_with(&pool).await?;
             // We count and announce reconnects ourselves, so no silent auto-reconnect.
             l.ignore_pool_close_event(true);
-            l.listen(&channel).await?;
+            l.listen_all([channels.wake.as_str(), channels.cancel.as_str()])
+                .await?;
             Ok::<_, sqlx::Error>(l)
         };
         let mut listener = tokio::select! {
@@ -88,6 +125,9 @@ async fn listen_loop(
                     return;
                 }
                 n = listener.try_recv() => match n {
+                    Ok(Some(n)) if n.channel() == channels.cancel => {
+                        cancel_requested(&running, &metrics, n.payload());
+                    }
                     Ok(Some(_)) => {
                         metrics.incr(|c| &c.notifications);
                         let _ = claimer.tell(Wake);
@@ -108,8 +148,9 @@ impl Actor for Listener {
     fn started(&mut self, ctx: &mut Self::Context) {
         let fut = listen_loop(
             self.pool.clone(),
-            self.channel.clone(),
+            self.channels.clone(),
             self.claimer.clone(),
+            self.running.clone(),
             self.metrics.clone(),
             self.stop.clone(),
         );

@@ -135,7 +135,8 @@ impl Slots {
             finishing: AtomicUsize::new(0),
             finishing_max: concurrency.max(completion_batch),
             bytes_in_use: AtomicI64::new(0),
-            byte_budget: byte_budget as i64,
+            // usize::MAX would wrap to -1 and throttle every claim to one job.
+            byte_budget: i64::try_from(byte_budget).unwrap_or(i64::MAX),
         }
     }
 
@@ -181,6 +182,11 @@ impl Slots {
     /// Bytes the next claim may still take.
     pub fn byte_room(&self) -> i64 {
         (self.byte_budget - self.bytes_in_use.load(SeqCst)).max(0)
+    }
+
+    /// Payload bytes of the jobs held now.
+    pub fn bytes_in_use(&self) -> i64 {
+        self.bytes_in_use.load(SeqCst)
     }
 
     pub fn hold_bytes(&self, n: i32) {

@@ -4,7 +4,10 @@
 //! - [`ReapNow`]: one pass now, returning its report (tests, tools).
 //!
 //! # Lifecycle
-//! Runs on the maintenance arbiter with its own pool, every `reaper_interval`. Any
+//! Runs on the maintenance arbiter with its own pool, every `reaper_interval`. With
+//! `retention` set it also prunes done and cancelled jobs (never dead ones: they are
+//! the dead-letter queue) and, every [`KEY_PRUNE_EVERY`] passes, key rows no job
+//! refers to any more. Any
 //! number of reapers, in any number of processes, may run at once: the store's reap is
 //! one guarded statement. It never consults the handler registry.
 //!
@@ -20,6 +23,13 @@ use crate::job::OwnerId;
 use crate::metrics::{MailboxMeter, Metrics};
 use crate::store::{Backoff, ReapReport, Store};
 
+/// Retention deletes at most this many rows of each kind per pass.
+const PRUNE_BATCH: i64 = 10_000;
+
+/// Idle key rows are pruned every this many passes: finding them reads every idle key
+/// row (see `Store::prune_keys`), and they are small.
+const KEY_PRUNE_EVERY: u64 = 12;
+
 /// Run one reap pass (until no expired lease is left, in batches) and report.
 #[derive(Message)]
 #[rtype(result = "Result<ReapReport>")]
@@ -32,6 +42,8 @@ pub(crate) struct Reaper {
     batch: i64,
     interval: std::time::Duration,
     retention: Option<std::time::Duration>,
+    /// Passes since idle key rows were last pruned (see [`KEY_PRUNE_EVERY`]).
+    passes: u64,
     busy: bool,
     meter: Arc<MailboxMeter>,
     metrics: Arc<Metrics>,
@@ -51,6 +63,7 @@ impl Reaper {
             batch: config.reaper_batch,
             interval: config.reaper_interval,
             retention: config.retention,
+            passes: 0,
             busy: false,
             meter: metrics.meter("reaper"),
             metrics,
@@ -64,23 +77,30 @@ impl Reaper {
         let backoff = self.backoff;
         let batch = self.batch;
         let retention = self.retention;
+        self.passes += 1;
+        let prune_keys = self.passes % KEY_PRUNE_EVERY == 1;
         async move {
             let mut total = ReapReport::default();
             loop {
                 let report = store.reap(&owner, &backoff, batch, None).await?;
-                let n = report.retried.len() + report.dead.len();
+                let n = report.retried.len() + report.dead.len() + report.cancelled.len();
                 total.retried.extend(report.retried);
                 total.dead.extend(report.dead);
+                total.cancelled.extend(report.cancelled);
                 if (n as i64) < batch {
                     break;
                 }
             }
             if let Some(keep) = retention {
-                let pruned = store.prune(keep, 10_000).await?;
-                if pruned.jobs > 0 {
+                let mut pruned = store.prune_jobs(keep, PRUNE_BATCH).await?;
+                if prune_keys {
+                    pruned.keys = store.prune_keys(PRUNE_BATCH).await?;
+                }
+                if pruned != Default::default() {
                     tracing::info!(
                         jobs = pruned.jobs,
                         effects = pruned.effects,
+                        keys = pruned.keys,
                         "leasehold retention pruned"
                     );
                 }
@@ -91,9 +111,10 @@ impl Reaper {
         .map(|res: Result<ReapReport>, act, _| {
             act.busy = false;
             match &res {
-                Ok(r) => act
-                    .metrics
-                    .add(|c| &c.reaped, (r.retried.len() + r.dead.len()) as u64),
+                Ok(r) => act.metrics.add(
+                    |c| &c.reaped,
+                    (r.retried.len() + r.dead.len() + r.cancelled.len()) as u64,
+                ),
                 Err(e) => {
                     act.metrics.incr(|c| &c.db_errors);
                     tracing::warn!(error = %e, "leasehold reap failed; retrying next tick");

@@ -31,15 +31,16 @@ use std::sync::Arc;
 use actix::prelude::*;
 
 use super::Metered;
+use crate::context::JobContext;
 use crate::env::Env;
 use crate::executor::{execute_chained, hold, Ended, Successor};
-use crate::job::ClaimedJob;
 use crate::metrics::MailboxMeter;
 
-/// Run this claimed job after the ones before it.
+/// Run this claimed (and tracked: its lease is renewed while it waits) job after the
+/// ones before it.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct RunJob(pub ClaimedJob);
+pub(crate) struct RunJob(pub JobContext);
 
 /// A registry entry: the address and how many `RunJob`s are on their way to it.
 #[derive(Clone)]
@@ -87,7 +88,7 @@ pub(crate) struct Sequencer {
     fetching: bool,
     /// Shutdown asked this sequencer to stop; it does once nothing runs or is fetched.
     stopping: bool,
-    backlog: VecDeque<ClaimedJob>,
+    backlog: VecDeque<JobContext>,
     idle_timer: Option<SpawnHandle>,
     meter: Arc<MailboxMeter>,
 }
@@ -114,14 +115,14 @@ impl Sequencer {
     }
 
     /// Run a job that holds a slot (its bytes already counted).
-    fn run(&mut self, job: ClaimedJob, ctx: &mut Context<Self>) {
+    fn run(&mut self, job: JobContext, ctx: &mut Context<Self>) {
         if let Some(t) = self.idle_timer.take() {
             ctx.cancel_future(t);
         }
         self.running = true;
         let env = self.env.clone();
         let freed = self.env.clone();
-        let bytes = job.payload_bytes;
+        let bytes = job.job().payload_bytes;
         ctx.spawn(
             execute_chained(env, job, move || {
                 // The handler returned: its slot serves other keys while the completion
@@ -145,11 +146,11 @@ impl Sequencer {
     fn after(&mut self, ended: Ended, next: Successor, ctx: &mut Context<Self>) {
         if let Successor::Claimed(job) = next {
             let job = *job;
-            // Claimed by the completion's own transaction. It runs now if a slot is
-            // free; otherwise the claimer gives it the next one, before claiming anything
-            // new. Anything delivered meanwhile waits behind it.
+            // Claimed by the completion's own transaction (and renewed since). It runs
+            // now if a slot is free; otherwise the claimer gives it the next one, before
+            // claiming anything new. Anything delivered meanwhile waits behind it.
             if self.env.slots.take(1) == 1 {
-                self.env.slots.hold_bytes(job.payload_bytes);
+                self.env.slots.hold_bytes(job.job().payload_bytes);
                 self.run(job, ctx);
             } else {
                 self.env.park(job);
@@ -161,7 +162,10 @@ impl Sequencer {
         let key_moved_on = matches!(ended, Ended::Completed)
             && !matches!(next, Successor::NoneClaimable)
             && !self.env.stop_claiming.is_cancelled();
-        if !key_moved_on || !self.backlog.is_empty() || self.env.slots.take(1) == 0 {
+        // Within the byte budget: a successor's payload is at most the payload cap.
+        let bytes_ok = self.env.slots.byte_room() >= self.env.config.store.max_payload_bytes as i64
+            || self.env.slots.bytes_in_use() == 0;
+        if !key_moved_on || !bytes_ok || !self.backlog.is_empty() || self.env.slots.take(1) == 0 {
             self.next_or_idle(ctx);
             return;
         }
@@ -169,6 +173,7 @@ impl Sequencer {
         self.fetching = true;
         let env = self.env.clone();
         let (queue, key) = self.key.clone();
+        let sent = std::time::Instant::now();
         ctx.spawn(
             async move {
                 env.store
@@ -176,13 +181,14 @@ impl Sequencer {
                     .await
             }
             .into_actor(self)
-            .map(|res, act, ctx| {
+            .map(move |res, act, ctx| {
                 act.fetching = false;
                 match res {
                     Ok(Some(job)) => {
                         act.env.metrics.incr(|c| &c.claimed);
                         hold(&act.env, 1);
                         act.env.slots.hold_bytes(job.payload_bytes);
+                        let job = act.env.track(job, sent);
                         // It takes the slot; anything delivered meanwhile waits behind.
                         act.run(job, ctx);
                     }

@@ -2,11 +2,17 @@
 //! history, and the retention policy.
 //!
 //! Each action is one short transaction that locks the key row (if any) before the job
-//! row, the order the promotion uses, so an action and a promotion cannot deadlock.
-//! A worker's completion locks the other way round (its job row, then the key row), so
-//! cancelling a running head at the very moment it completes can deadlock; PostgreSQL
-//! then aborts one side (40P01), the executor retries its write, and the operator's
-//! cancel returns the error to retry. Nothing is left half-done either way.
+//! row, the order completions, failures and promotions use too, so they cannot
+//! deadlock.
+//!
+//! # Cancel of a running job
+//!
+//! A request, not a transition: the job stays `running` with `cancel_requested_at` set,
+//! and its owner is told at once (NOTIFY on the schema's cancel channel, and again by
+//! its next renewal). Its key does not move on until that attempt has ended: a
+//! completion makes it done (the work happened), a failure or release makes it
+//! cancelled, and if the owner is gone its lease expires and the reaper cancels it.
+//! Promoting the successor at once would let two attempts of one key run together.
 
 use std::time::Duration;
 
@@ -18,7 +24,19 @@ use crate::error::{Error, Result};
 use crate::job::{Generation, JobEvent, JobId, JobRecord, JobState};
 
 const JOB_COLUMNS: &str = "id, queue, kind, job_key, key_seq, priority, state, payload, result, attempts, \
-     max_attempts, generation, owner, lease_until, available_at, created_at, finished_at, last_error, dead_blocks_key";
+     max_attempts, generation, owner, lease_until, available_at, created_at, finished_at, last_error, \
+     dead_blocks_key, cancel_requested_at";
+
+/// What [`Store::cancel`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The job was not running: it is cancelled now (a head's key moved on).
+    Cancelled,
+    /// The job is running: its owner was asked to stop. It stays running until that
+    /// attempt ends (done if it completes, cancelled otherwise, or cancelled by the
+    /// reaper when its lease expires); its key moves on only then.
+    Requested,
+}
 
 /// What the retention policy deleted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -28,8 +46,21 @@ pub struct PruneReport {
     pub keys: u64,
 }
 
+/// A job row for an operator. Any row can be shown: a payload or result that cannot be
+/// decoded comes back as null with the reason in `payload_error`, so a poison job can
+/// still be looked at and cancelled.
 fn record_from_row(row: &PgRow) -> Result<JobRecord> {
     let state: String = row.try_get("state")?;
+    let mut errors = Vec::new();
+    let mut json = |column: &str| match row.try_get::<Option<serde_json::Value>, _>(column) {
+        Ok(v) => v,
+        Err(e) => {
+            errors.push(format!("{column} cannot be decoded: {e}"));
+            Some(serde_json::Value::Null)
+        }
+    };
+    let payload = json("payload").unwrap_or(serde_json::Value::Null);
+    let result = json("result");
     Ok(JobRecord {
         id: JobId(row.try_get("id")?),
         queue: row.try_get("queue")?,
@@ -41,8 +72,9 @@ fn record_from_row(row: &PgRow) -> Result<JobRecord> {
             what: "job state",
             reason: state.clone(),
         })?,
-        payload: row.try_get("payload")?,
-        result: row.try_get("result")?,
+        payload,
+        payload_error: (!errors.is_empty()).then(|| errors.join("; ")),
+        result,
         attempts: row.try_get("attempts")?,
         max_attempts: row.try_get("max_attempts")?,
         generation: Generation(row.try_get("generation")?),
@@ -52,6 +84,7 @@ fn record_from_row(row: &PgRow) -> Result<JobRecord> {
         created_at: row.try_get("created_at")?,
         finished_at: row.try_get("finished_at")?,
         last_error: row.try_get("last_error")?,
+        cancel_requested_at: row.try_get("cancel_requested_at")?,
     })
 }
 
@@ -202,10 +235,10 @@ impl Store {
         Ok(())
     }
 
-    /// Cancel a job that has not finished. A running job's worker finds its fence gone
-    /// (its renewal and completion come back stale). If the job was its key's head, the
-    /// next job of the key is promoted.
-    pub async fn cancel(&self, id: JobId, reason: &str) -> Result<()> {
+    /// Cancel a job that has not finished. A job that is not running is cancelled at
+    /// once (a head's key moves on to its next job). A running job is asked to stop:
+    /// see the module docs and [`CancelOutcome::Requested`].
+    pub async fn cancel(&self, id: JobId, reason: &str) -> Result<CancelOutcome> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
@@ -217,16 +250,18 @@ impl Store {
                 action: "cancel",
             });
         }
+        let detail = format!("cancelled by operator: {reason}");
+        if job.state == JobState::Running {
+            if job.cancel_requested_at.is_none() {
+                self.request_cancel(&mut tx, &job, &detail).await?;
+            }
+            tx.commit().await?;
+            return Ok(CancelOutcome::Requested);
+        }
         let left_key_already =
             job.state == JobState::Dead && !self.dead_blocks_key(&mut tx, id).await?;
-        self.set_state(
-            &mut tx,
-            &job,
-            JobState::Cancelled,
-            "cancelled",
-            &format!("cancelled by operator: {reason}"),
-        )
-        .await?;
+        self.set_state(&mut tx, &job, JobState::Cancelled, "cancelled", &detail)
+            .await?;
         if let (Some(key), false) = (job.key.clone(), left_key_already) {
             let keys = [(job.queue.clone(), key)];
             if job.state == JobState::Waiting {
@@ -236,6 +271,34 @@ impl Store {
             }
         }
         tx.commit().await?;
+        Ok(CancelOutcome::Cancelled)
+    }
+
+    /// Mark a running job for cancellation and tell its owner (NOTIFY, delivered at
+    /// commit; the owner's next renewal says it too, should the notification be lost).
+    async fn request_cancel(
+        &self,
+        conn: &mut PgConnection,
+        job: &JobRecord,
+        detail: &str,
+    ) -> Result<()> {
+        let sql = self.schema().render(
+            "WITH u AS (
+                 UPDATE {s}.jobs SET cancel_requested_at = clock_timestamp(), last_error = $2
+                 WHERE id = $1 RETURNING id, generation)
+             INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
+             SELECT id, generation, 'cancel_requested', 'operator', clock_timestamp(), $2 FROM u",
+        );
+        sqlx::query(&sql)
+            .bind(job.id.0)
+            .bind(sanitize_error_text(detail))
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(self.schema().cancel_channel())
+            .bind(job.id.0.to_string())
+            .execute(&mut *conn)
+            .await?;
         Ok(())
     }
 
@@ -302,47 +365,108 @@ impl Store {
             .await?)
     }
 
-    /// The retention policy: delete terminal jobs (with their history and expiry
-    /// records) that finished more than `keep` ago, effect-ledger rows past their
-    /// `keep_until`, and key rows with no open job. At most `limit` jobs per call.
+    /// The retention policy: delete done and cancelled jobs (with their history and
+    /// expiry records) that finished more than `keep` ago, at most `limit` per call;
+    /// effect-ledger rows past their `keep_until` whose job is gone or done or
+    /// cancelled; and key rows no job refers to any more.
+    ///
+    /// Dead jobs are the dead-letter queue: never deleted here (an operator retries or
+    /// cancels them). Every condition is checked on the rows being deleted, under
+    /// their lock (`SKIP LOCKED`: prune never waits), so a job an operator retries at
+    /// the same moment is never deleted. A key row goes only when no job of its key is
+    /// left, and its slot's floor is raised to its `next_seq` first, so a key enqueued
+    /// again later continues its `key_seq` where it left off (see `key_floors`).
     pub async fn prune(&self, keep: Duration, limit: i64) -> Result<PruneReport> {
-        let jobs_sql = self.schema().render(
-            "WITH gone AS (
-                 DELETE FROM {s}.jobs WHERE id IN (
-                     SELECT id FROM {s}.jobs
-                     WHERE finished_at < now() - make_interval(secs => $1)
-                       AND state IN ('done', 'dead', 'cancelled')
-                     ORDER BY finished_at LIMIT $2)
-                 RETURNING id),
-             ev AS (DELETE FROM {s}.job_events WHERE job_id IN (SELECT id FROM gone)),
-             le AS (DELETE FROM {s}.lease_expiries WHERE job_id IN (SELECT id FROM gone))
-             SELECT count(*) FROM gone",
-        );
-        let jobs: i64 = sqlx::query_scalar(&jobs_sql)
+        let mut report = self.prune_jobs(keep, limit).await?;
+        report.keys = self.prune_keys(limit).await?;
+        Ok(report)
+    }
+
+    /// The jobs and effects half of [`Store::prune`] (the reaper runs it every pass).
+    pub(crate) async fn prune_jobs(&self, keep: Duration, limit: i64) -> Result<PruneReport> {
+        let jobs: i64 = sqlx::query_scalar(&self.sql().prune_jobs)
             .bind(secs(keep))
             .bind(limit)
             .fetch_one(self.pool())
             .await?;
-        let effects = sqlx::query(
-            &self
-                .schema()
-                .render("DELETE FROM {s}.effects WHERE keep_until < now()"),
-        )
-        .execute(self.pool())
-        .await?
-        .rows_affected();
-        let keys = sqlx::query(
-            &self
-                .schema()
-                .render("DELETE FROM {s}.job_keys WHERE open_jobs = 0"),
-        )
-        .execute(self.pool())
-        .await?
-        .rows_affected();
+        let effects: i64 = sqlx::query_scalar(&self.sql().prune_effects)
+            .bind(limit)
+            .fetch_one(self.pool())
+            .await?;
         Ok(PruneReport {
             jobs: jobs as u64,
-            effects,
-            keys,
+            effects: effects as u64,
+            keys: 0,
         })
     }
+
+    /// The key half of [`Store::prune`]. It reads every idle key row, so the reaper runs
+    /// it less often than the rest (an index on idle keys would cost every keyed
+    /// enqueue and completion an index write instead).
+    pub(crate) async fn prune_keys(&self, limit: i64) -> Result<u64> {
+        let keys: i64 = sqlx::query_scalar(&self.sql().prune_keys)
+            .bind(limit)
+            .fetch_one(self.pool())
+            .await?;
+        Ok(keys as u64)
+    }
 }
+
+pub(super) const PRUNE_JOBS: &str = r#"/* leasehold:prune_jobs */
+WITH cand AS (
+    SELECT id FROM {s}.jobs
+    WHERE finished_at < clock_timestamp() - make_interval(secs => $1)
+      AND state IN ('done', 'cancelled')
+    ORDER BY finished_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {s}.jobs j USING cand
+    WHERE j.id = cand.id AND j.state IN ('done', 'cancelled')
+      AND j.finished_at < clock_timestamp() - make_interval(secs => $1)
+    RETURNING j.id
+), ev AS (
+    DELETE FROM {s}.job_events WHERE job_id IN (SELECT id FROM gone)
+), le AS (
+    DELETE FROM {s}.lease_expiries WHERE job_id IN (SELECT id FROM gone)
+)
+SELECT count(*) FROM gone"#;
+
+/// An effect outcome is kept while its job may run again: a dead job can be retried by
+/// an operator, and a retry must find what its earlier attempts did.
+pub(super) const PRUNE_EFFECTS: &str = r#"/* leasehold:prune_effects */
+WITH gone AS (
+    DELETE FROM {s}.effects e
+    WHERE e.effect_key IN (
+        SELECT x.effect_key FROM {s}.effects x
+        WHERE x.keep_until < clock_timestamp()
+          AND NOT EXISTS (SELECT 1 FROM {s}.jobs j
+                          WHERE j.id = x.job_id AND j.state NOT IN ('done', 'cancelled'))
+        LIMIT $1)
+    RETURNING 1
+)
+SELECT count(*) FROM gone"#;
+
+/// Key rows with no job left. The floors of the slots are locked first (`SKIP LOCKED`:
+/// a slot an enqueue holds is left for the next pass), so an enqueue that re-creates a
+/// deleted key reads the raised floor: it waits on the slot's lock until this commits.
+pub(super) const PRUNE_KEYS: &str = r#"/* leasehold:prune_keys */
+WITH slots AS MATERIALIZED (
+    SELECT slot FROM {s}.key_floors ORDER BY slot FOR UPDATE SKIP LOCKED
+), cand AS MATERIALIZED (
+    SELECT jk.queue, jk.job_key
+    FROM {s}.job_keys jk
+    WHERE jk.open_jobs = 0 AND __SLOT_JK__ IN (SELECT slot FROM slots)
+      AND NOT EXISTS (SELECT 1 FROM {s}.jobs j WHERE j.queue = jk.queue AND j.job_key = jk.job_key)
+    LIMIT $1
+    FOR UPDATE OF jk SKIP LOCKED
+), gone AS (
+    DELETE FROM {s}.job_keys jk USING cand
+    WHERE jk.queue = cand.queue AND jk.job_key = cand.job_key AND jk.open_jobs = 0
+    RETURNING __SLOT_JK__ AS slot, jk.next_seq
+), raised AS (
+    UPDATE {s}.key_floors f SET floor = greatest(f.floor, g.top)
+    FROM (SELECT slot, max(next_seq) AS top FROM gone GROUP BY slot) g
+    WHERE f.slot = g.slot
+)
+SELECT count(*) FROM gone"#;

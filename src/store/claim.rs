@@ -29,7 +29,7 @@ WITH cand AS (
     SELECT id, priority, available_at, payload_bytes
     FROM {s}.jobs
     WHERE state = 'pending'
-      AND available_at <= coalesce($6, now())
+      AND available_at <= coalesce($6, statement_timestamp())
       AND queue = ANY($1)
       AND ($2::text[] IS NULL OR kind = ANY($2))
     ORDER BY priority, available_at, id
@@ -43,12 +43,12 @@ WITH cand AS (
         FROM cand
         WINDOW w AS (ORDER BY priority, available_at, id)
     ) b
-    WHERE rn = 1 OR bytes <= $4
+    WHERE bytes <= $4 OR (rn = 1 AND $9)
 ), u AS (
     UPDATE {s}.jobs j
     SET state = 'running', owner = $5, generation = j.generation + 1,
-        attempts = j.attempts + 1, claimed_at = coalesce($6, now()),
-        lease_until = coalesce($6, now()) + make_interval(secs => $7)
+        attempts = j.attempts + 1, claimed_at = coalesce($6, statement_timestamp()),
+        lease_until = coalesce($6, statement_timestamp()) + make_interval(secs => $7)
     WHERE j.id = ANY (ARRAY(SELECT id FROM pick))
     RETURNING __RETURNED__
 ), ev AS (
@@ -64,7 +64,7 @@ pub(super) fn unbudgeted(claim: &str) -> String {
     let from = claim.find("), pick AS (").expect("claim has a pick step");
     let to = claim.find("), u AS (").expect("claim has an update step");
     format!(
-        "{}), pick AS (\n    SELECT id FROM cand WHERE $4::int8 IS NOT NULL\n{}",
+        "{}), pick AS (\n    SELECT id FROM cand WHERE $4::int8 IS NOT NULL AND $9::bool IS NOT NULL\n{}",
         &claim[..from],
         &claim[to..]
     )
@@ -75,15 +75,15 @@ pub(super) const CLAIM_KEY: &str = r#"/* leasehold:claim_key */
 WITH pick AS (
     SELECT id FROM {s}.jobs
     WHERE queue = $1 AND job_key = $2 AND state = 'pending'
-      AND available_at <= coalesce($5, now())
+      AND available_at <= coalesce($5, statement_timestamp())
       AND ($3::text[] IS NULL OR kind = ANY($3))
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), u AS (
     UPDATE {s}.jobs j
     SET state = 'running', owner = $4, generation = j.generation + 1,
-        attempts = j.attempts + 1, claimed_at = coalesce($5, now()),
-        lease_until = coalesce($5, now()) + make_interval(secs => $6)
+        attempts = j.attempts + 1, claimed_at = coalesce($5, statement_timestamp()),
+        lease_until = coalesce($5, statement_timestamp()) + make_interval(secs => $6)
     FROM pick WHERE j.id = pick.id
     RETURNING __RETURNED__
 ), ev AS (
@@ -103,6 +103,10 @@ pub struct ClaimRequest {
     pub limit: i64,
     /// Stop adding jobs once their payloads sum past this many bytes.
     pub byte_budget: i64,
+    /// Take the first job even when its payload alone exceeds `byte_budget`, so one
+    /// large job cannot starve. A scheduler sets this only when it holds no payload
+    /// bytes at all; otherwise a spent budget claims nothing. Default true.
+    pub first_over_budget: bool,
     pub lease: Duration,
     /// Test clock: claim as if the database time were `at`.
     pub at: Option<DateTime<Utc>>,
@@ -116,13 +120,24 @@ impl ClaimRequest {
             kinds: None,
             limit,
             byte_budget: i64::MAX,
+            first_over_budget: true,
             lease,
             at: None,
         }
     }
 }
 
+/// A claimed row. A payload that cannot be decoded (stored by an older version, or
+/// written around the enqueue checks) does not fail the claim: the job comes back with
+/// `payload_error` set, and the executor makes that job alone dead with the reason.
 pub(crate) fn claimed_from_row(row: &PgRow, owner: &OwnerId) -> Result<ClaimedJob> {
+    let (payload, payload_error) = match row.try_get::<serde_json::Value, _>("payload") {
+        Ok(v) => (v, None),
+        Err(e) => (
+            serde_json::Value::Null,
+            Some(format!("payload cannot be decoded: {e}")),
+        ),
+    };
     Ok(ClaimedJob {
         id: JobId(row.try_get("id")?),
         queue: row.try_get("queue")?,
@@ -130,7 +145,8 @@ pub(crate) fn claimed_from_row(row: &PgRow, owner: &OwnerId) -> Result<ClaimedJo
         key: row.try_get("job_key")?,
         key_seq: row.try_get("key_seq")?,
         priority: row.try_get("priority")?,
-        payload: row.try_get("payload")?,
+        payload,
+        payload_error,
         payload_bytes: row.try_get("payload_bytes")?,
         attempt: row.try_get("attempts")?,
         max_attempts: row.try_get("max_attempts")?,
@@ -142,7 +158,7 @@ pub(crate) fn claimed_from_row(row: &PgRow, owner: &OwnerId) -> Result<ClaimedJo
     })
 }
 
-/// The claim statement's eight parameters, in order, on any sqlx query builder.
+/// The claim statement's nine parameters, in order, on any sqlx query builder.
 macro_rules! bind_claim {
     ($query:expr, $req:expr, $store:expr) => {
         $query
@@ -154,6 +170,7 @@ macro_rules! bind_claim {
             .bind($req.at)
             .bind(secs($req.lease))
             .bind($store.options().full_history)
+            .bind($req.first_over_budget)
     };
 }
 
@@ -207,7 +224,7 @@ impl Store {
             .execute(&mut *conn)
             .await;
         sqlx::raw_sql(&format!(
-            "PREPARE {NAME}(text[], text[], int8, int8, text, timestamptz, float8, bool) AS {}",
+            "PREPARE {NAME}(text[], text[], int8, int8, text, timestamptz, float8, bool, bool) AS {}",
             self.claim_sql(req)
         ))
         .execute(&mut *conn)
@@ -218,8 +235,8 @@ impl Store {
             .await?;
         // EXECUTE takes no bound parameters: let the server quote the values.
         let quote_sql = format!(
-            "SELECT format('EXPLAIN (ANALYZE, BUFFERS) EXECUTE {NAME}(%L, %L, %L, %L, %L, %L, %L, %L)', \
-             $1::text[], $2::text[], $3::int8, $4::int8, $5::text, $6::timestamptz, $7::float8, $8::bool)"
+            "SELECT format('EXPLAIN (ANALYZE, BUFFERS) EXECUTE {NAME}(%L, %L, %L, %L, %L, %L, %L, %L, %L)', \
+             $1::text[], $2::text[], $3::int8, $4::int8, $5::text, $6::timestamptz, $7::float8, $8::bool, $9::bool)"
         );
         let explain: String = bind_claim!(sqlx::query_scalar(&quote_sql), req, self)
             .fetch_one(&mut *tx)

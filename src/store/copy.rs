@@ -110,8 +110,8 @@ impl Store {
                     .await;
                 return Err(e);
             }
-            if !queues.contains(&job.queue.as_str()) {
-                queues.push(&job.queue);
+            if !queues.contains(&job.queue_name()) {
+                queues.push(job.queue_name());
             }
             if buf.len() >= CHUNK_BYTES {
                 copy.send(std::mem::take(&mut buf)).await?;
@@ -155,7 +155,7 @@ impl Store {
             ),
             (Some(now), None, None) => Some(now),
         };
-        push_text(buf, job.queue.as_bytes());
+        push_text(buf, job.queue_name().as_bytes());
         buf.push(b'\t');
         push_text(buf, job.kind.as_bytes());
         // Writing into a Vec cannot fail.

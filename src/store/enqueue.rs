@@ -6,6 +6,7 @@
 //! numbers in commit order. The first open job of a key is `pending` (the head), the
 //! rest `waiting`.
 
+use chrono::Datelike;
 use sqlx::PgConnection;
 
 use super::{secs, Store};
@@ -20,15 +21,21 @@ WITH input AS (
       AS t(queue, kind, job_key, priority, run_at, delay_secs, max_attempts, payload,
            payload_bytes, dead_blocks_key)
 ), keyed AS (
-    SELECT queue, job_key, count(*) AS n
+    SELECT queue, job_key, count(*) AS n, __SLOT__ AS slot
     FROM input WHERE job_key IS NOT NULL
     GROUP BY queue, job_key
-    ORDER BY queue, job_key
+), floors AS MATERIALIZED (
+    SELECT slot, floor FROM {s}.key_floors
+    WHERE slot IN (SELECT slot FROM keyed)
+    ORDER BY slot
+    FOR SHARE
 ), k AS (
     INSERT INTO {s}.job_keys AS jk (queue, job_key, next_seq, open_jobs)
-    SELECT queue, job_key, n, n FROM keyed
+    SELECT kd.queue, kd.job_key, f.floor + kd.n, kd.n
+    FROM keyed kd JOIN floors f ON f.slot = kd.slot
+    ORDER BY kd.queue, kd.job_key
     ON CONFLICT (queue, job_key) DO UPDATE
-        SET next_seq = jk.next_seq + excluded.next_seq,
+        SET next_seq = jk.next_seq + excluded.open_jobs,
             open_jobs = jk.open_jobs + excluded.open_jobs
     RETURNING queue, job_key, next_seq, open_jobs
 ), numbered AS (
@@ -36,7 +43,7 @@ WITH input AS (
     FROM input i
 ), ins AS (
     INSERT INTO {s}.jobs (queue, kind, job_key, key_seq, priority, state, payload,
-                          payload_bytes, max_attempts, available_at, dead_blocks_key)
+                          payload_bytes, max_attempts, available_at, created_at, dead_blocks_key)
     SELECT n.queue, n.kind, n.job_key,
            CASE WHEN n.job_key IS NULL THEN NULL ELSE k.next_seq - kd.n + n.nth END,
            n.priority,
@@ -44,7 +51,8 @@ WITH input AS (
                 WHEN k.open_jobs - kd.n = 0 AND n.nth = 1 THEN 'pending'
                 ELSE 'waiting' END,
            n.payload, n.payload_bytes, n.max_attempts,
-           coalesce(n.run_at, now() + make_interval(secs => coalesce(n.delay_secs, 0))),
+           coalesce(n.run_at, statement_timestamp() + make_interval(secs => coalesce(n.delay_secs, 0))),
+           statement_timestamp(),
            n.dead_blocks_key
     FROM numbered n
     LEFT JOIN k ON k.queue = n.queue AND k.job_key = n.job_key
@@ -57,6 +65,22 @@ SELECT id,
           FROM (SELECT DISTINCT queue FROM ins WHERE state = 'pending') q) AS notified
 FROM ins
 ORDER BY id"#;
+
+/// Deepest nesting of arrays and objects a payload may have. jsonb stores any depth,
+/// but serde_json refuses to read past 128 levels, so a deeper payload could be stored
+/// and then never be read back (or shown to an operator). Refused at enqueue instead.
+pub const MAX_PAYLOAD_DEPTH: usize = 127;
+
+/// The latest `run_at` any enqueue path accepts: PostgreSQL stores later times, but the
+/// COPY path's text format and most clients do not, and one rule holds for every path.
+pub(crate) fn latest_run_at() -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::parse_from_rfc3339("9999-12-31T23:59:59Z")
+        .expect("a valid constant")
+        .with_timezone(&chrono::Utc)
+}
+
+/// The longest delay accepted: 100 years.
+pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// The columns of a batch, as arrays for `unnest`.
 #[derive(Default)]
@@ -91,16 +115,43 @@ pub(crate) fn check_name(field: &'static str, value: &str) -> Result<()> {
     Ok(())
 }
 
-/// A NUL character in any string or object key of the payload.
-fn contains_nul(value: &serde_json::Value) -> bool {
-    match value {
-        serde_json::Value::String(s) => s.contains('\0'),
-        serde_json::Value::Array(items) => items.iter().any(contains_nul),
-        serde_json::Value::Object(map) => {
-            map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v))
+/// What PostgreSQL or serde_json cannot hold in a JSON value: a NUL in a string or an
+/// object key (jsonb refuses `\u0000`), or nesting deeper than `max_depth` (serde_json
+/// refuses to read it back). Walks the value with an explicit stack, so a hostile
+/// value cannot overflow this thread's stack.
+pub(crate) fn unstorable_json(value: &serde_json::Value, max_depth: usize) -> Option<String> {
+    let mut stack: Vec<(&serde_json::Value, usize)> = vec![(value, 0)];
+    while let Some((v, depth)) = stack.pop() {
+        match v {
+            serde_json::Value::String(s) if s.contains('\0') => {
+                return Some(
+                    "a string contains NUL (\\u0000), which PostgreSQL jsonb cannot store".into(),
+                )
+            }
+            serde_json::Value::Array(items) => {
+                if depth + 1 > max_depth {
+                    return Some(format!("nested deeper than {max_depth} levels"));
+                }
+                stack.extend(items.iter().map(|i| (i, depth + 1)));
+            }
+            serde_json::Value::Object(map) => {
+                if depth + 1 > max_depth {
+                    return Some(format!("nested deeper than {max_depth} levels"));
+                }
+                for (k, item) in map {
+                    if k.contains('\0') {
+                        return Some(
+                            "an object key contains NUL (\\u0000), which PostgreSQL jsonb cannot store"
+                                .into(),
+                        );
+                    }
+                    stack.push((item, depth + 1));
+                }
+            }
+            _ => {}
         }
-        _ => false,
     }
+    None
 }
 
 impl Store {
@@ -108,7 +159,7 @@ impl Store {
     /// job is written. The payload's JSON encoding, as sized against the cap, is left in
     /// `encoded` (cleared first); returns the job's max attempts.
     pub(super) fn check_job(&self, job: &NewJob, encoded: &mut Vec<u8>) -> Result<i32> {
-        check_name("queue", &job.queue)?;
+        check_name("queue", job.queue_name())?;
         check_name("kind", &job.kind)?;
         if let Some(key) = &job.key {
             check_name("key", key)?;
@@ -132,13 +183,30 @@ impl Store {
                 limit,
             });
         }
-        // jsonb refuses \u0000; say so before the database does, in our words. Look
-        // at the values, not the encoded text: there an escaped backslash followed by
-        // "u0000" (no NUL at all) looks the same.
-        if contains_nul(&job.payload) {
-            return Err(Error::InvalidPayload(
-                "a string contains NUL (\\u0000), which PostgreSQL jsonb cannot store".into(),
-            ));
+        // Say so before the database does, in our words. Look at the values, not the
+        // encoded text: there an escaped backslash followed by "u0000" (no NUL at all)
+        // looks the same.
+        if let Some(reason) = unstorable_json(&job.payload, MAX_PAYLOAD_DEPTH) {
+            return Err(Error::InvalidPayload(reason));
+        }
+        if let Some(at) = job.run_at {
+            if at > latest_run_at() || at.year() < 1 {
+                return Err(Error::InvalidInput {
+                    field: "run_at",
+                    reason: format!("{at} is outside years 1 to 9999"),
+                });
+            }
+        }
+        if let Some(delay) = job.delay {
+            if delay > MAX_DELAY {
+                return Err(Error::InvalidInput {
+                    field: "delay",
+                    reason: format!(
+                        "{} is longer than the longest delay accepted (100 years)",
+                        humantime::format_duration(delay)
+                    ),
+                });
+            }
         }
         Ok(max_attempts)
     }
@@ -148,7 +216,7 @@ impl Store {
         let mut encoded = Vec::new();
         for job in jobs {
             let max_attempts = self.check_job(&job, &mut encoded)?;
-            c.queue.push(job.queue);
+            c.queue.push(job.queue_name().to_string());
             c.kind.push(job.kind);
             c.key.push(job.key);
             c.priority.push(job.priority);

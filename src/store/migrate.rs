@@ -11,14 +11,21 @@ use super::schema::Schema;
 use crate::error::{Error, Result};
 
 /// (version, description, SQL template). Append only; never edit an applied entry.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "jobs, keys, lease expiries, history, effect ledger",
-    include_str!("../../migrations/0001_jobs.sql"),
-)];
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "jobs, keys, lease expiries, history, effect ledger",
+        include_str!("../../migrations/0001_jobs.sql"),
+    ),
+    (
+        2,
+        "cancel requests for running jobs, key-sequence floors",
+        include_str!("../../migrations/0002_hardening.sql"),
+    ),
+];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// Apply every missing migration to `schema`. A no-op when already applied.
 pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {

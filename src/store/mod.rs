@@ -15,7 +15,9 @@ mod complete;
 mod copy;
 mod effects;
 mod enqueue;
-pub(crate) use enqueue::check_name;
+pub(crate) use enqueue::{check_name, unstorable_json};
+pub use enqueue::{MAX_DELAY, MAX_PAYLOAD_DEPTH};
+mod fail;
 mod keys;
 mod lease;
 mod migrate;
@@ -28,10 +30,11 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-pub use admin::PruneReport;
+pub use admin::{CancelOutcome, PruneReport};
 pub use claim::ClaimRequest;
-pub use complete::Failure;
+pub(crate) use complete::KeyedItem;
 pub use effects::{EffectRecord, RecordOutcome};
+pub use fail::Failure;
 pub(crate) use keys::Chain;
 pub use lease::RenewReport;
 pub use migrate::SCHEMA_VERSION;
@@ -46,7 +49,12 @@ use crate::error::Result;
 pub struct StoreOptions {
     /// Largest accepted payload, in bytes of its JSON encoding. Default 256 KiB.
     pub max_payload_bytes: usize,
-    /// Attempts a job gets when its `NewJob` does not say. Default 25.
+    /// Largest result a handler may return, in bytes of its JSON encoding. A larger one
+    /// (or one with a NUL, which jsonb cannot store) fails that attempt for good, with
+    /// the reason. Default 1 MiB.
+    pub max_result_bytes: usize,
+    /// Attempts a job gets when its `NewJob` does not say. Default 25. A scheduler sets
+    /// this from `Config::retry.max_attempts`; see [`Store::for_config`].
     pub default_max_attempts: i32,
     /// Write `claimed` and `completed` history events too (failures, expiries, releases
     /// and operator actions are always recorded). Default true.
@@ -54,12 +62,14 @@ pub struct StoreOptions {
 }
 
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 256 * 1024;
+pub const DEFAULT_MAX_RESULT_BYTES: usize = 1024 * 1024;
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
 
 impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             default_max_attempts: DEFAULT_MAX_ATTEMPTS,
             full_history: true,
         }
@@ -114,6 +124,12 @@ impl Store {
         })
     }
 
+    /// A store with the schema and limits of `config`, so jobs enqueued through it get
+    /// the same defaults (attempts included) as through a scheduler with that config.
+    pub fn for_config(pool: PgPool, config: &crate::Config) -> Result<Self> {
+        Store::new(pool, &config.schema, config.store_options())
+    }
+
     /// Create or upgrade the schema. Safe to call from many processes at once.
     pub async fn migrate(&self) -> Result<()> {
         migrate::migrate(&self.inner.pool, &self.inner.schema).await
@@ -165,8 +181,14 @@ pub(crate) struct Statements {
     pub complete_many: String,
     pub complete_unkeyed: String,
     pub completion_readback: String,
+    pub keys_of: String,
+    pub lock_keys: String,
+    pub lock_keys_wait: String,
     pub fail: String,
     pub release: String,
+    pub prune_jobs: String,
+    pub prune_effects: String,
+    pub prune_keys: String,
     pub leave_keys: String,
     pub promote: String,
     pub reap: String,
@@ -177,7 +199,7 @@ pub(crate) struct Statements {
 impl Statements {
     fn render(s: &Schema) -> Self {
         Statements {
-            enqueue: s.render(enqueue::ENQUEUE),
+            enqueue: s.render(&slots(enqueue::ENQUEUE)),
             enqueue_copy: s.render(&copy::copy_statement(false)),
             enqueue_copy_at: s.render(&copy::copy_statement(true)),
             enqueue_copy_notify: s.render(copy::COPY_NOTIFY),
@@ -189,8 +211,14 @@ impl Statements {
             complete_many: s.render(complete::COMPLETE_MANY),
             complete_unkeyed: s.render(complete::COMPLETE_UNKEYED),
             completion_readback: s.render(complete::COMPLETION_READBACK),
-            fail: s.render(complete::FAIL),
-            release: s.render(complete::RELEASE),
+            keys_of: s.render(complete::KEYS_OF),
+            lock_keys: s.render(keys::LOCK_KEYS),
+            lock_keys_wait: s.render(keys::LOCK_KEYS_WAIT),
+            fail: s.render(fail::FAIL),
+            release: s.render(fail::RELEASE),
+            prune_jobs: s.render(admin::PRUNE_JOBS),
+            prune_effects: s.render(admin::PRUNE_EFFECTS),
+            prune_keys: s.render(&slots(admin::PRUNE_KEYS)),
             leave_keys: s.render(keys::LEAVE_KEYS),
             promote: s.render(&claim::with_returned(keys::PROMOTE)),
             reap: s.render(reap::REAP),
@@ -198,6 +226,13 @@ impl Statements {
             effect_lookup: s.render(effects::LOOKUP),
         }
     }
+}
+
+/// A template with its key-slot expressions filled in (see `key_floors`).
+fn slots(template: &str) -> String {
+    template
+        .replace("__SLOT_JK__", keys::KEY_SLOT_JK)
+        .replace("__SLOT__", keys::KEY_SLOT)
 }
 
 /// Seconds as the `float8` that `make_interval(secs => ...)` takes.

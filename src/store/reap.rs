@@ -2,7 +2,11 @@
 //! with backoff (or make them dead when their attempts are spent).
 //!
 //! One statement per batch. Candidates are locked with `SKIP LOCKED`, so a job whose
-//! completion is committing right now is skipped rather than waited for; the UPDATE
+//! completion is committing right now is skipped rather than waited for. A job whose
+//! expiry ends its key's head (cancelled because an operator asked, or dead under the
+//! Continue policy) needs its key row too; that is also taken with `SKIP LOCKED`, and a
+//! job whose key row is busy (a host's open transaction enqueued into the key) waits
+//! for the next pass, so the reaper never stalls behind anyone. The UPDATE
 //! re-checks `state='running' AND lease_until < now`, so a job that completed in the
 //! meantime is never moved back. `UNIQUE(job_id, generation)` in `lease_expiries`
 //! makes a second reaper's record a no-op. The reaper needs no handler registry: a
@@ -18,26 +22,41 @@ use crate::job::{JobId, OwnerId};
 
 pub(super) const REAP: &str = r#"/* leasehold:reap */
 WITH x AS (
-    SELECT id, generation, owner, lease_until
+    SELECT id, generation, owner, lease_until, queue, job_key,
+           job_key IS NOT NULL AND (cancel_requested_at IS NOT NULL
+               OR (attempts >= max_attempts AND NOT dead_blocks_key)) AS ends_head
     FROM {s}.jobs
     WHERE state = 'running' AND lease_until < coalesce($1, now())
     ORDER BY lease_until
     LIMIT $2
     FOR UPDATE SKIP LOCKED
+), kl AS MATERIALIZED (
+    SELECT jk.queue, jk.job_key
+    FROM {s}.job_keys jk
+    JOIN (SELECT DISTINCT queue, job_key FROM x WHERE ends_head) d
+      ON jk.queue = d.queue AND jk.job_key = d.job_key
+    ORDER BY jk.queue, jk.job_key
+    FOR UPDATE OF jk SKIP LOCKED
 ), u AS (
     UPDATE {s}.jobs j
-    SET state = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
-        available_at = CASE WHEN j.attempts >= j.max_attempts THEN j.available_at
+    SET state = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                     WHEN j.attempts >= j.max_attempts THEN 'dead'
+                     ELSE 'pending' END,
+        available_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+            THEN j.available_at
             ELSE coalesce($1, now()) + make_interval(secs =>
                 least($5, $4 * power(2, least(greatest(j.attempts - 1, 0), 60)))
                 * (1 - $6 * random())) END,
-        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN coalesce($1, now()) END,
+        finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+            THEN coalesce($1, now()) END,
         lease_until = NULL,
         last_error = 'lease expired (generation ' || x.generation || ', owner ' || x.owner
                      || ', lease until ' || x.lease_until || ')'
     FROM x
     WHERE j.id = x.id AND j.generation = x.generation
       AND j.state = 'running' AND j.lease_until < coalesce($1, now())
+      AND (NOT x.ends_head
+           OR EXISTS (SELECT 1 FROM kl WHERE kl.queue = x.queue AND kl.job_key = x.job_key))
     RETURNING j.id, j.generation, j.state, j.queue, j.job_key, j.dead_blocks_key,
               x.owner AS old_owner, x.lease_until AS old_lease_until
 ), rec AS (
@@ -61,11 +80,13 @@ pub struct ReapReport {
     pub retried: Vec<JobId>,
     /// Expired jobs whose attempts were spent.
     pub dead: Vec<JobId>,
+    /// Expired jobs an operator had asked to cancel: cancelled now.
+    pub cancelled: Vec<JobId>,
 }
 
 impl ReapReport {
     pub fn is_empty(&self) -> bool {
-        self.retried.is_empty() && self.dead.is_empty()
+        self.retried.is_empty() && self.dead.is_empty() && self.cancelled.is_empty()
     }
 }
 
@@ -94,14 +115,23 @@ impl Store {
         let mut heads: Vec<KeyRef> = Vec::new();
         for row in &rows {
             let id = JobId(row.try_get("id")?);
-            if row.try_get::<String, _>("state")? == "dead" {
-                report.dead.push(id);
-                let key: Option<String> = row.try_get("job_key")?;
-                if let (Some(key), false) = (key, row.try_get::<bool, _>("dead_blocks_key")?) {
-                    heads.push((row.try_get("queue")?, key));
+            let key: Option<String> = row.try_get("job_key")?;
+            let ends_head = match row.try_get::<String, _>("state")?.as_str() {
+                "dead" => {
+                    report.dead.push(id);
+                    !row.try_get::<bool, _>("dead_blocks_key")?
                 }
-            } else {
-                report.retried.push(id);
+                "cancelled" => {
+                    report.cancelled.push(id);
+                    true
+                }
+                _ => {
+                    report.retried.push(id);
+                    false
+                }
+            };
+            if let (Some(key), true) = (key, ends_head) {
+                heads.push((row.try_get("queue")?, key));
             }
         }
         self.end_heads(&mut tx, &heads).await?;
@@ -110,6 +140,7 @@ impl Store {
             tracing::info!(
                 retried = report.retried.len(),
                 dead = report.dead.len(),
+                cancelled = report.cancelled.len(),
                 "leasehold reaped expired leases"
             );
         }

@@ -45,13 +45,38 @@ impl Schema {
         template.replace("{s}", &self.quoted)
     }
 
-    /// The LISTEN/NOTIFY channel of this schema. The payload is the queue name cut to
-    /// 1000 characters (`left(queue, 1000)` in every NOTIFY): PostgreSQL refuses payloads
-    /// of 8000 bytes or more, and a wake-up is only a hint, so a long queue name must
-    /// not make its enqueue fail.
+    /// The LISTEN/NOTIFY channel of this schema's enqueue wake-ups. The payload is the
+    /// queue name cut to 1000 characters (`left(queue, 1000)` in every NOTIFY):
+    /// PostgreSQL refuses payloads of 8000 bytes or more, and a wake-up is only a hint,
+    /// so a long queue name must not make its enqueue fail.
     pub fn channel(&self) -> String {
-        format!("leasehold_{}", self.name)
+        channel_name("leasehold_", &self.name)
     }
+
+    /// The channel on which a cancel of a running job reaches its owner at once. The
+    /// payload is the job id; every process checks its own running attempts.
+    pub fn cancel_channel(&self) -> String {
+        channel_name("leasehold_cancel_", &self.name)
+    }
+}
+
+/// `prefix` + `name`, within PostgreSQL's 63-byte identifier limit: a NOTIFY on a longer
+/// channel fails (which would make every enqueue fail), so a long name keeps its first
+/// part and ends in a hash of the whole, which stays unique per schema.
+fn channel_name(prefix: &str, name: &str) -> String {
+    const MAX: usize = 63;
+    let full = format!("{prefix}{name}");
+    if full.len() <= MAX {
+        return full;
+    }
+    use sha2::{Digest, Sha256};
+    let hash: String = Sha256::digest(name.as_bytes())[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    // Schema names are ASCII, so any byte index is a char boundary.
+    let keep = MAX - prefix.len() - 1 - hash.len();
+    format!("{prefix}{}_{hash}", &name[..keep])
 }
 
 #[cfg(test)]
@@ -75,5 +100,26 @@ mod tests {
             Schema::new("leasehold_2").unwrap().quoted(),
             "\"leasehold_2\""
         );
+    }
+
+    #[test]
+    fn channels_of_the_longest_schema_names_fit_postgres_identifiers() {
+        let a = Schema::new(&format!("{}a", "s".repeat(62))).unwrap();
+        let b = Schema::new(&format!("{}b", "s".repeat(62))).unwrap();
+        for ch in [
+            a.channel(),
+            a.cancel_channel(),
+            b.channel(),
+            b.cancel_channel(),
+        ] {
+            assert!(ch.len() <= 63, "{ch} is {} bytes", ch.len());
+        }
+        assert_ne!(
+            a.channel(),
+            b.channel(),
+            "two schemas must not share a channel"
+        );
+        assert_ne!(a.channel(), a.cancel_channel());
+        assert_eq!(Schema::new("jobs").unwrap().channel(), "leasehold_jobs");
     }
 }

@@ -20,9 +20,11 @@ use crate::store::Store;
 
 /// The context the scheduler would give the handler of `job`, for a test or tool that
 /// claimed it with [`Store::claim`] itself. Effects are recorded through `store` with
-/// the default ledger retention. Nothing cancels it: there is no lease renewer.
+/// the default ledger retention. Nothing cancels it: there is no lease renewer, and its
+/// local lease deadline lies a year ahead.
 pub fn attempt_context(job: ClaimedJob, store: Store) -> JobContext {
-    JobContext::new(job, store, DEFAULT_EFFECT_KEEP)
+    let far = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
+    JobContext::new(job, store, DEFAULT_EFFECT_KEEP, far)
 }
 
 /// A fencing token for an effect store that fences per resource, where the resource is

@@ -373,9 +373,8 @@ pub async fn stop_workers(db: &TestDb) {
 
 // ---------------------------------------------------------------------------
 // A database of its own: the scheduler names its own connections
-// (`leasehold-listener`, `leasehold-renewer`, `leasehold-reaper`), the same in every
-// process, so a test that counts or kills them by name needs a database no other test
-// uses.
+// (`leasehold-listener <pid>:<nonce>`, `leasehold-renewer …`, `leasehold-reaper …`),
+// and a test that counts or kills them by role needs a database no other test uses.
 // ---------------------------------------------------------------------------
 
 pub struct OwnDb {
@@ -435,10 +434,11 @@ impl OwnDb {
         }
     }
 
-    /// Backends of this database whose application_name is `name`.
+    /// Backends of this database whose application_name starts with `name` (the
+    /// scheduler names its own `leasehold-<role> <pid>:<nonce>`).
     pub async fn backends_named(&self, name: &str) -> i64 {
         sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name LIKE $2 || '%'",
         )
         .bind(&self.database)
         .bind(name)
@@ -458,10 +458,11 @@ impl OwnDb {
         .unwrap()
     }
 
-    /// Terminate this database's backends named `name`; returns how many.
+    /// Terminate this database's backends whose name starts with `name`; returns how
+    /// many.
     pub async fn terminate(&self, name: &str) -> i64 {
         sqlx::query_scalar(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND application_name LIKE $2 || '%'",
         )
         .bind(&self.database)
         .bind(name)

@@ -1,0 +1,179 @@
+//! Fenced endings other than completion: fail (retry, dead, or cancelled when an
+//! operator asked) and release (shutdown).
+//!
+//! Both lock the job's key row before the job row (see `complete.rs` on lock order)
+//! when the ending may end the key's head: a failure can make the job dead under the
+//! Continue policy or cancelled, and a release of a job an operator asked to cancel
+//! makes it cancelled.
+
+use sqlx::{Acquire, Row};
+
+use super::keys::KeyRef;
+use super::{sanitize_error_text, secs, Backoff, Store};
+use crate::error::Result;
+use crate::job::{FailOutcome, Fence, Generation, JobId, OwnerId};
+
+/// The key row is locked only when this failure may end the key's head (cancelled, or
+/// dead under the Continue policy); a plain retry does not wait on it.
+pub(super) const FAIL: &str = r#"/* leasehold:fail */
+WITH kl AS MATERIALIZED (
+    SELECT 1 FROM {s}.job_keys jk JOIN {s}.jobs j0
+      ON j0.id = $1 AND jk.queue = j0.queue AND jk.job_key = j0.job_key
+    WHERE j0.cancel_requested_at IS NOT NULL
+       OR (NOT j0.dead_blocks_key AND ($5 OR j0.attempts >= j0.max_attempts))
+    FOR UPDATE OF jk
+), u AS (
+    UPDATE {s}.jobs
+    SET state = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
+                     WHEN $5 OR attempts >= max_attempts THEN 'dead'
+                     ELSE 'pending' END,
+        available_at = CASE WHEN cancel_requested_at IS NOT NULL OR $5 OR attempts >= max_attempts
+            THEN available_at
+            ELSE clock_timestamp() + make_interval(secs =>
+                least($7, $6 * power(2, least(greatest(attempts - 1, 0), 60)))
+                * (1 - $8 * random())) END,
+        finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR $5 OR attempts >= max_attempts
+            THEN clock_timestamp() END,
+        lease_until = NULL,
+        last_error = $4
+    WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
+      AND (SELECT count(*) FROM kl) >= 0
+    RETURNING id, generation, state, available_at, queue, job_key, dead_blocks_key
+), ev AS (
+    INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
+    SELECT id, generation,
+           CASE state WHEN 'dead' THEN 'dead' WHEN 'cancelled' THEN 'cancelled' ELSE 'failed' END,
+           $2, clock_timestamp(), $4
+    FROM u
+)
+SELECT * FROM u"#;
+
+/// Release for shutdown. A job an operator asked to cancel is not put back: it is
+/// cancelled, and its key moves on (its key row locked first).
+pub(super) const RELEASE: &str = r#"/* leasehold:release */
+WITH c AS (
+    SELECT * FROM unnest($1::int8[], $2::int8[]) AS t(id, generation)
+), kl AS MATERIALIZED (
+    SELECT 1 FROM {s}.job_keys jk
+    JOIN (SELECT DISTINCT j0.queue, j0.job_key FROM {s}.jobs j0 JOIN c ON j0.id = c.id
+           WHERE j0.cancel_requested_at IS NOT NULL AND j0.job_key IS NOT NULL) d
+      ON jk.queue = d.queue AND jk.job_key = d.job_key
+    ORDER BY jk.queue, jk.job_key
+    FOR UPDATE OF jk
+), u AS (
+    UPDATE {s}.jobs j
+    SET state = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'pending' END,
+        finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN clock_timestamp() END,
+        attempts = greatest(j.attempts - 1, 0), available_at = clock_timestamp(),
+        lease_until = NULL, last_error = $4
+    FROM c
+    WHERE j.id = c.id AND j.generation = c.generation AND j.owner = $3 AND j.state = 'running'
+      AND (SELECT count(*) FROM kl) >= 0
+    RETURNING j.id, j.generation, j.queue, j.job_key, j.state
+), ev AS (
+    INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
+    SELECT id, generation, CASE WHEN state = 'cancelled' THEN 'cancelled' ELSE 'released' END,
+           $3, clock_timestamp(), $4 FROM u
+)
+SELECT id, queue, job_key, state,
+       (SELECT count(pg_notify($5, left(q.queue, 1000)))
+          FROM (SELECT DISTINCT queue FROM u WHERE state = 'pending') q) AS notified
+FROM u"#;
+
+/// Why an attempt failed, for [`Store::fail`].
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub reason: String,
+    /// Dead at once, whatever attempts remain (undecodable payload, permanent error).
+    pub permanent: bool,
+}
+
+impl Store {
+    /// Fail the attempt: back to pending with backoff (database clock), or dead when the
+    /// attempts are spent or the failure is permanent, or cancelled when an operator
+    /// asked to cancel the job while it ran. A dead head keeps its key blocked unless
+    /// the job was enqueued with [`crate::DeadKeyPolicy::Continue`].
+    pub async fn fail(
+        &self,
+        fence: &Fence,
+        failure: &Failure,
+        backoff: &Backoff,
+    ) -> Result<FailOutcome> {
+        let reason = sanitize_error_text(&failure.reason);
+        let mut conn = self.pool().acquire().await?;
+        let mut tx = conn.begin().await?;
+        let row = sqlx::query(&self.sql().fail)
+            .bind(fence.job.0)
+            .bind(fence.owner.as_str())
+            .bind(fence.generation.0)
+            .bind(&reason)
+            .bind(failure.permanent)
+            .bind(secs(backoff.base))
+            .bind(secs(backoff.cap))
+            .bind(backoff.jitter)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(row) = row else {
+            tx.rollback().await?;
+            return Ok(FailOutcome::Stale);
+        };
+        let state: String = row.try_get("state")?;
+        let key: Option<String> = row.try_get("job_key")?;
+        let ends_head = match state.as_str() {
+            "cancelled" => true,
+            "dead" => !row.try_get::<bool, _>("dead_blocks_key")?,
+            _ => false,
+        };
+        if let (Some(key), true) = (key, ends_head) {
+            self.end_heads(&mut tx, &[(row.try_get("queue")?, key)])
+                .await?;
+        }
+        let outcome = match state.as_str() {
+            "dead" => FailOutcome::Dead,
+            "cancelled" => FailOutcome::Cancelled,
+            _ => FailOutcome::Retrying {
+                available_at: row.try_get("available_at")?,
+            },
+        };
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// Give jobs back without counting the attempt (graceful shutdown): pending and
+    /// claimable at once by any worker; a job an operator asked to cancel is cancelled
+    /// instead. Returns the ids actually released or cancelled.
+    pub async fn release_many(
+        &self,
+        owner: &OwnerId,
+        jobs: &[(JobId, Generation)],
+        reason: &str,
+    ) -> Result<Vec<JobId>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
+        let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
+        let mut conn = self.pool().acquire().await?;
+        let mut tx = conn.begin().await?;
+        let rows = sqlx::query(&self.sql().release)
+            .bind(&ids)
+            .bind(&gens)
+            .bind(owner.as_str())
+            .bind(sanitize_error_text(reason))
+            .bind(self.schema().channel())
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut released = Vec::with_capacity(rows.len());
+        let mut heads: Vec<KeyRef> = Vec::new();
+        for row in &rows {
+            released.push(JobId(row.try_get("id")?));
+            let key: Option<String> = row.try_get("job_key")?;
+            if let (Some(key), "cancelled") = (key, row.try_get::<String, _>("state")?.as_str()) {
+                heads.push((row.try_get("queue")?, key));
+            }
+        }
+        self.end_heads(&mut tx, &heads).await?;
+        tx.commit().await?;
+        Ok(released)
+    }
+}
