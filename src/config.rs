@@ -364,6 +364,33 @@ mod tests {
     }
 
     #[test]
+    fn durations_past_the_range_of_deadlines_are_refused_by_name() {
+        let years = Duration::from_secs(200 * 365 * 24 * 3600);
+        for (field, set) in [
+            (
+                "lease",
+                (|c: &mut Config, d| c.lease = d) as fn(&mut Config, Duration),
+            ),
+            ("retry.backoff.cap", |c, d| c.retry.backoff.cap = d),
+            ("max_run_time", |c, d| c.max_run_time = d),
+            ("retention", |c, d| c.retention = Some(d)),
+            ("shutdown_grace", |c, d| c.shutdown_grace = d),
+        ] {
+            let mut c = Config::default();
+            set(&mut c, years);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{field}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_store_options_of_a_config_carry_its_retry_attempts() {
+        let mut c = Config::default();
+        c.retry.max_attempts = 3;
+        assert_eq!(c.store_options().default_max_attempts, 3);
+    }
+
+    #[test]
     fn effect_ledger_shorter_than_the_retry_window_is_refused() {
         let mut c = Config::default();
         c.effect_keep = Duration::from_secs(60);

@@ -66,11 +66,12 @@ pub enum Error {
     #[error("the scheduler is shutting down")]
     ShuttingDown,
 
-    /// A batched statement was refused by the database (the message is the database's),
-    /// reported to each write of the batch. Not a lost connection: trying again as is
-    /// will fail the same way.
-    #[error("the database refused the statement: {0}")]
-    Refused(String),
+    /// A batched write (the completion batcher's) failed, reported to each write of the
+    /// batch. `transient`: the cause may pass (a lost connection, a busy pool, a
+    /// deadlock), so the write is worth trying again; otherwise the database refused
+    /// the statement itself.
+    #[error("the batched write failed: {reason}")]
+    Batch { reason: String, transient: bool },
 
     /// A stored value could not be decoded (a corrupted row, or a bug).
     #[error("cannot decode {what}: {reason}")]
@@ -86,6 +87,7 @@ impl Error {
     pub fn is_connection(&self) -> bool {
         match self {
             Error::Database(e) => is_connection_error(e),
+            Error::Batch { transient, .. } => *transient,
             _ => false,
         }
     }

@@ -533,13 +533,15 @@ where
                 if !e.is_transient() {
                     refused += 1;
                 }
-                if refused >= REFUSED_TRIES || Instant::now() + pause >= ctx.lease_deadline() {
+                let left = ctx.lease_remaining();
+                if refused >= REFUSED_TRIES || left.is_zero() {
                     tracing::error!(job = %job.id, error = %e, "leasehold could not write the job's ending; leaving it to the lease");
                     return Err(e);
                 }
                 env.metrics.incr(|c| &c.completion_retries);
                 tracing::warn!(job = %job.id, error = %e, "leasehold ending write failed; retrying");
-                tokio::time::sleep(pause).await;
+                // Renewals move the deadline on meanwhile; look again before it passes.
+                tokio::time::sleep(pause.min(left)).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
             }
         }

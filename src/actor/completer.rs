@@ -223,7 +223,6 @@ impl Writer {
             kinds: &self.kinds,
             lease: self.lease,
         };
-        let sent = Instant::now();
         let written = self
             .store
             .complete_keyed(&self.owner, &items, Some(&chain), wait)
@@ -234,7 +233,7 @@ impl Writer {
                 for (c, (outcome, next)) in batch.into_iter().zip(outcomes) {
                     match outcome {
                         None => busy.push(c),
-                        Some(outcome) => self.reply(c, outcome, next.map(|j| (j, sent))).await,
+                        Some(outcome) => self.reply(c, outcome, next).await,
                     }
                 }
                 busy
@@ -273,13 +272,12 @@ impl Writer {
         self.metrics.incr(|c| &c.db_errors);
         tracing::warn!(error = %e, n = batch.len(), "leasehold completion batch failed");
         if e.is_transient() || batch.len() == 1 {
-            let text = e.to_string();
-            let connection = e.is_transient();
+            let reason = e.to_string();
+            let transient = e.is_transient();
             for c in batch {
-                let _ = c.reply.send(Err(if connection {
-                    Error::Database(sqlx::Error::Protocol(text.clone()))
-                } else {
-                    Error::Refused(text.clone())
+                let _ = c.reply.send(Err(Error::Batch {
+                    reason: reason.clone(),
+                    transient,
                 }));
             }
             return;

@@ -197,3 +197,25 @@ impl Slots {
         self.bytes_in_use.fetch_sub(n as i64, SeqCst);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Slots;
+
+    #[test]
+    fn an_unbounded_byte_budget_never_throttles_claims() {
+        let slots = Slots::new(8, 8, usize::MAX);
+        slots.hold_bytes(1_000_000);
+        assert!(slots.byte_room() > i64::MAX / 2, "{}", slots.byte_room());
+        assert_eq!(slots.take(8), 8);
+    }
+
+    #[test]
+    fn a_spent_byte_budget_leaves_no_room() {
+        let slots = Slots::new(8, 8, 100);
+        slots.hold_bytes(150);
+        assert_eq!(slots.byte_room(), 0);
+        slots.release_bytes(150);
+        assert_eq!(slots.byte_room(), 100);
+    }
+}

@@ -16,6 +16,7 @@
 //! host's open transaction.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use sqlx::{Acquire, PgConnection, Row};
 
@@ -224,14 +225,16 @@ impl Store {
     /// waited for: that item's outcome is `None` (nothing written) and the caller
     /// writes it again with `wait` true, in a transaction of its own, so one key held by
     /// a host's open transaction does not hold up the other keys of the batch. Each
-    /// outcome comes with the successor claimed for it, if any.
+    /// outcome comes with the successor claimed for it, if any, and the moment the
+    /// claiming statement was sent, after every wait for a lock: its lease counts from
+    /// then (`clock_timestamp()` in the statement), not from the batch's start.
     pub(crate) async fn complete_keyed(
         &self,
         owner: &OwnerId,
         batch: &[KeyedItem],
         chain: Option<&Chain<'_>>,
         wait: bool,
-    ) -> Result<Vec<(Option<CompleteOutcome>, Option<ClaimedJob>)>> {
+    ) -> Result<Vec<(Option<CompleteOutcome>, Option<(ClaimedJob, Instant)>)>> {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
@@ -281,15 +284,16 @@ impl Store {
                 wanted.push(chain_by_id.get(&id).copied().unwrap_or(false));
             }
         }
+        let promote_sent = Instant::now();
         let successors = self
             .promote_chained(&mut tx, &heads, &wanted, chain)
             .await?;
         tx.commit().await?;
         // Each successor belongs to the item that ended its key's head.
-        let mut next: HashMap<KeyRef, ClaimedJob> = HashMap::new();
+        let mut next: HashMap<KeyRef, (ClaimedJob, Instant)> = HashMap::new();
         for job in successors {
             if let Some(key) = job.key.clone() {
-                next.insert((job.queue.clone(), key), job);
+                next.insert((job.queue.clone(), key), (job, promote_sent));
             }
         }
         let missing: Vec<(JobId, Generation)> = now

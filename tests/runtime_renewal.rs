@@ -1,0 +1,318 @@
+//! Renewal under what a real service does: long host transactions, sessions holding job
+//! rows, a renewal that hangs, a busy pool. A lease must never lapse under a healthy
+//! process, and a lease that cannot be confirmed must stop its handler before it can
+//! expire. Asserted on what the handlers really did (their execution log).
+
+mod common;
+#[path = "common/scripted.rs"]
+mod scripted;
+#[path = "common/worker.rs"]
+mod worker;
+
+use std::time::{Duration, Instant};
+
+use common::{within, TestDb};
+use leasehold::{CancelReason, JobState, NewJob, Scheduler, StoreOptions};
+use scripted::{scripted, work, Script, Scripted};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::Connection;
+use worker::{config_with_lease, run_in_system, wait_until, POOL};
+
+const LEASE: Duration = Duration::from_secs(2);
+
+async fn start(db: &TestDb, handler: &Scripted) -> Scheduler {
+    Scheduler::builder(db.pool.clone(), config_with_lease(&db.schema, LEASE))
+        .register(handler.clone())
+        .start()
+        .await
+        .unwrap()
+}
+
+async fn wait_done(db: &TestDb, ids: &[leasehold::JobId], secs: u64) {
+    wait_until(secs, "the jobs to end", || async {
+        for id in ids {
+            if !db.store.job(*id).await.unwrap().state.is_terminal() {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+}
+
+#[test]
+fn a_host_transaction_holding_a_key_does_not_stall_renewal_of_other_jobs() {
+    run_in_system(within(90, "host transaction test", async {
+        let db = TestDb::with_options("rt_renew_hosttx", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let scheduler = start(&db, &h).await;
+        // A long unkeyed job that must keep its lease throughout.
+        let long = scheduler
+            .enqueue_job(scripted(work("long", 3 * LEASE.as_millis() as u64)))
+            .await
+            .unwrap();
+        // The head of key K; it finishes once the host transaction holds K.
+        let head = scheduler
+            .enqueue_job(
+                scripted(Script {
+                    gate: Some("host-holds-k".into()),
+                    ..work("head", 0)
+                })
+                .with_key("K"),
+            )
+            .await
+            .unwrap();
+        h.started("long", 10).await;
+        h.started("head", 10).await;
+        // A host transaction enqueues K's next job and stays open for three leases: K's
+        // key row is locked until it ends.
+        let mut host = db.pool.begin().await.unwrap();
+        let next = scheduler
+            .enqueue_in(&mut host, scripted(work("next", 0)).with_key("K"))
+            .await
+            .unwrap();
+        h.open("host-holds-k");
+        h.ended("head", 10).await;
+        tokio::time::sleep(3 * LEASE / 2).await;
+        // The head's completion waits for K; the long job's lease did not.
+        assert_eq!(db.store.job(head).await.unwrap().state, JobState::Running);
+        tokio::time::sleep(3 * LEASE / 2).await;
+        host.commit().await.unwrap();
+        wait_done(&db, &[long, head, next], 20).await;
+        let m = scheduler.metrics();
+        scheduler.shutdown().await.unwrap();
+
+        for id in [long, head, next] {
+            let job = db.store.job(id).await.unwrap();
+            assert_eq!(
+                (job.state, job.generation.0),
+                (JobState::Done, 1),
+                "{job:?}"
+            );
+            assert_eq!(h.runs_of(id).len(), 1, "job {id} ran more than once");
+        }
+        assert!(
+            h.runs_tagged("long")[0].cancel.is_none(),
+            "the long job's handler was told to stop"
+        );
+        assert_eq!(db.count_where("lease_expiries", "true").await, 0);
+        assert_eq!(m.counters.leases_lost, 0, "{:?}", m.counters);
+        h.assert_keys_serial();
+        db.drop().await;
+    }))
+}
+
+#[test]
+fn a_session_locking_one_running_job_does_not_stop_renewal_of_the_others() {
+    run_in_system(within(90, "locked row test", async {
+        let db = TestDb::with_options("rt_renew_lockedrow", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let scheduler = start(&db, &h).await;
+        let free = scheduler
+            .enqueue_job(scripted(work("free", 3 * LEASE.as_millis() as u64)))
+            .await
+            .unwrap();
+        let locked = scheduler
+            .enqueue_job(scripted(work("locked", 3 * LEASE.as_millis() as u64)))
+            .await
+            .unwrap();
+        h.started("free", 10).await;
+        h.started("locked", 10).await;
+        // An operator's session holds one running job's row for two leases.
+        let mut session = db.raw_conn("locker").await;
+        let mut tx = session.begin().await.unwrap();
+        sqlx::query(&format!(
+            "SELECT 1 FROM {} WHERE id = $1 FOR UPDATE",
+            db.table("jobs")
+        ))
+        .bind(locked.0)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        let locked_at = Instant::now();
+        // Its lease cannot be confirmed: its handler is stopped by the local deadline,
+        // before the lease could expire.
+        let stopped = h.ended("locked", 10).await;
+        let (reason, told) = stopped.cancel.expect("the locked job's handler was told");
+        assert_eq!(reason, CancelReason::LeaseLost);
+        assert!(
+            told.duration_since(locked_at) < LEASE,
+            "told {:?} after the lock, the lease is {LEASE:?}",
+            told.duration_since(locked_at)
+        );
+        tokio::time::sleep(LEASE).await;
+        tx.rollback().await.unwrap();
+        wait_done(&db, &[free], 20).await;
+        let m = scheduler.metrics();
+        // The free job kept its lease all along and ran once.
+        let job = db.store.job(free).await.unwrap();
+        assert_eq!(
+            (job.state, job.generation.0),
+            (JobState::Done, 1),
+            "{job:?}"
+        );
+        assert_eq!(h.runs_of(free).len(), 1);
+        assert!(h.runs_of(free)[0].cancel.is_none());
+        assert!(m.counters.leases_busy >= 1, "{:?}", m.counters);
+        assert!(m.counters.lease_deadlines >= 1, "{:?}", m.counters);
+        // The locked job runs again later; its runs never overlapped.
+        wait_done(&db, &[locked], 30).await;
+        scheduler.shutdown().await.unwrap();
+        let runs = h.runs_of(locked);
+        assert!(runs.len() >= 2, "{runs:?}");
+        assert!(runs[1].start >= runs[0].end.unwrap(), "{runs:?}");
+        db.drop().await;
+    }))
+}
+
+#[test]
+fn a_renewal_that_hangs_cancels_the_handler_before_its_lease_can_expire() {
+    run_in_system(within(90, "hung renewal test", async {
+        let db = TestDb::with_options("rt_renew_hang", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let scheduler = start(&db, &h).await;
+        let id = scheduler
+            .enqueue_job(scripted(work("long", 4 * LEASE.as_millis() as u64)))
+            .await
+            .unwrap();
+        h.started("long", 10).await;
+        // Every statement on the jobs table now hangs: the renewal does not answer.
+        let mut session = db.raw_conn("table-locker").await;
+        let mut tx = session.begin().await.unwrap();
+        sqlx::query(&format!(
+            "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+            db.table("jobs")
+        ))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        let locked_at = Instant::now();
+        let stopped = h.ended("long", 10).await;
+        let (reason, told) = stopped.cancel.expect("the handler was told");
+        assert_eq!(reason, CancelReason::LeaseLost);
+        let after = told.duration_since(locked_at);
+        assert!(
+            after < LEASE,
+            "told {after:?} after renewals stopped; the lease is {LEASE:?}"
+        );
+        let ended_after = stopped.end.unwrap().duration_since(locked_at);
+        assert!(
+            ended_after < LEASE,
+            "stopped {ended_after:?} after renewals stopped"
+        );
+        tokio::time::sleep(LEASE / 2).await;
+        tx.rollback().await.unwrap();
+        let m = scheduler.metrics();
+        assert_eq!(m.counters.lease_deadlines, 1, "{:?}", m.counters);
+        assert!(
+            m.counters.renew_timeouts + m.counters.db_errors >= 1,
+            "{:?}",
+            m.counters
+        );
+        // Retried afterwards, and it finishes.
+        wait_done(&db, &[id], 40).await;
+        scheduler.shutdown().await.unwrap();
+        assert_eq!(db.store.job(id).await.unwrap().state, JobState::Done);
+        let runs = h.runs_of(id);
+        assert!(runs[1].start >= runs[0].end.unwrap(), "{runs:?}");
+        db.drop().await;
+    }))
+}
+
+#[test]
+fn leases_lost_counts_no_job_that_ended_normally() {
+    run_in_system(within(120, "no false losses test", async {
+        let db = TestDb::with_options("rt_renew_nofalse", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let mut config = config_with_lease(&db.schema, Duration::from_millis(400));
+        config.renew_interval = Duration::from_millis(100);
+        let scheduler = Scheduler::builder(db.pool.clone(), config)
+            .register(h.clone())
+            .start()
+            .await
+            .unwrap();
+        let jobs: Vec<NewJob> = (0..500)
+            .map(|i| {
+                scripted(Script {
+                    complete_in: i % 2 == 0,
+                    ..work("noop", 2)
+                })
+            })
+            .collect();
+        let ids = scheduler.enqueue_many(jobs).await.unwrap();
+        wait_done(&db, &ids, 90).await;
+        let m = scheduler.metrics();
+        scheduler.shutdown().await.unwrap();
+        assert_eq!(db.count_where("jobs", "state <> 'done'").await, 0);
+        assert_eq!(h.log().len(), 500, "every job ran once");
+        assert_eq!(m.counters.leases_lost, 0, "{:?}", m.counters);
+        assert_eq!(m.counters.stale_completions, 0, "{:?}", m.counters);
+        assert!(
+            m.counters.leases_renewed > 0,
+            "renewals ran: {:?}",
+            m.counters
+        );
+        db.drop().await;
+    }))
+}
+
+#[test]
+fn finished_work_is_kept_while_the_pool_is_busy_for_longer_than_the_lease() {
+    run_in_system(within(90, "busy pool test", async {
+        let db = TestDb::with_options("rt_renew_busypool", StoreOptions::default(), 2).await;
+        // The host's pool: three connections, and a short acquire timeout, so a busy
+        // pool makes the completion write fail (and retry) rather than wait.
+        let pool = PgPoolOptions::new()
+            .max_connections(3)
+            .acquire_timeout(Duration::from_millis(200))
+            .connect_with(
+                common::base_options()
+                    .database(&common::test_db_name())
+                    .application_name(&db.app_name_of("host")),
+            )
+            .await
+            .unwrap();
+        let h = Scripted::new(&pool);
+        let scheduler = Scheduler::builder(pool.clone(), config_with_lease(&db.schema, LEASE))
+            .register(h.clone())
+            .start()
+            .await
+            .unwrap();
+        let id = scheduler
+            .enqueue_job(scripted(Script {
+                gate: Some("pool-taken".into()),
+                ..work("job", 0)
+            }))
+            .await
+            .unwrap();
+        h.started("job", 10).await;
+        // The host's requests take every connection for three leases.
+        let mut taken = Vec::new();
+        for _ in 0..3 {
+            taken.push(
+                within(10, "take a connection", pool.acquire())
+                    .await
+                    .unwrap(),
+            );
+        }
+        h.open("pool-taken");
+        h.ended("job", 10).await;
+        tokio::time::sleep(3 * LEASE).await;
+        assert_eq!(db.store.job(id).await.unwrap().state, JobState::Running);
+        drop(taken);
+        wait_done(&db, &[id], 20).await;
+        let m = scheduler.metrics();
+        scheduler.shutdown().await.unwrap();
+        let job = db.store.job(id).await.unwrap();
+        assert_eq!(
+            (job.state, job.generation.0),
+            (JobState::Done, 1),
+            "{job:?}"
+        );
+        assert_eq!(h.runs_of(id).len(), 1, "the finished job ran again");
+        assert_eq!(db.count_where("lease_expiries", "true").await, 0);
+        assert!(m.counters.completion_retries >= 1, "{:?}", m.counters);
+        pool.close().await;
+        db.drop().await;
+    }))
+}
