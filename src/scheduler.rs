@@ -227,17 +227,14 @@ impl SidePools {
     }
 }
 
-/// The claimer's sessions plan statements generically. A custom plan of the claim costs
-/// about as much server time as running it (≈0.6 of ≈1.2 ms for 32 jobs), and PostgreSQL
-/// keeps re-planning it because its generic plan looks dearer on paper (`LIMIT $3` is
-/// guessed at a tenth of the table); the claim is written so the generic plan is the
-/// right one ([`Store::explain_claim`] shows it on a table of millions). The setting is
-/// made on sessions the scheduler owns, so the host's statements are left alone.
+/// The claimer's own connections (one per claim in flight), so a claim never waits for
+/// the host's pool. They carry no session settings: the claim function sets what its
+/// plans need for itself (see the store's claim module), which also holds behind a
+/// transaction-mode pooler.
 fn claim_session(pool: &PgPool, owner: &OwnerId) -> PgConnectOptions {
     (*pool.connect_options())
         .clone()
         .application_name(&format!("leasehold-claimer {}", owner.short()))
-        .options([("plan_cache_mode", "force_generic_plan")])
 }
 
 /// Start a maintenance actor on `arbiter` over a store with its own one-connection pool.

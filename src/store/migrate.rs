@@ -22,10 +22,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "cancel requests for running jobs, key-sequence floors",
         include_str!("../../migrations/0002_hardening.sql"),
     ),
+    (
+        3,
+        "a claim function whose plan needs no statistics; the claim index by queue",
+        include_str!("../../migrations/0003_claim.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// Apply every missing migration to `schema`. A no-op when already applied.
 pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {

@@ -382,3 +382,58 @@ impl TestDb {
         self.count_where("jobs", "true").await
     }
 }
+
+/// What one claim really read, from the transaction's own statistics
+/// (`pg_stat_xact_user_tables`, and the per-index transaction counters): planner-independent evidence of the
+/// claim's cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    pub claimed: i64,
+    pub seq_scans: i64,
+    /// Index entries read, over every index of `jobs`.
+    pub index_tuples: i64,
+    /// Heap rows fetched through indexes.
+    pub heap_fetches: i64,
+}
+
+/// Claim up to `limit` jobs of `queues` through the schema's claim function in a
+/// transaction that is rolled back, and report what it read.
+pub async fn claim_footprint(db: &TestDb, queues: &[&str], limit: i32) -> Footprint {
+    use sqlx::Connection;
+    let mut conn = db.raw_conn("footprint").await;
+    let mut tx = conn.begin().await.unwrap();
+    let queues: Vec<String> = queues.iter().map(|q| q.to_string()).collect();
+    let claimed: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".claim($1, NULL, $2, 9223372036854775807, true, 'footprint', NULL, 30, false)",
+        db.schema
+    ))
+    .bind(&queues)
+    .bind(limit)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    let (seq_scans, heap_fetches): (i64, i64) = sqlx::query_as(
+        "SELECT coalesce(seq_scan, 0), coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables
+         WHERE relid = to_regclass($1)",
+    )
+    .bind(db.table("jobs"))
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    let index_tuples: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)::int8
+         FROM pg_index WHERE indrelid = to_regclass($1)",
+    )
+    .bind(db.table("jobs"))
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    conn.close().await.unwrap();
+    Footprint {
+        claimed,
+        seq_scans,
+        index_tuples,
+        heap_fetches,
+    }
+}
