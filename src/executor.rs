@@ -511,12 +511,15 @@ async fn complete_via_batcher(
     }
 }
 
-/// Retry a fenced write with backoff while this process still holds the lease (its
-/// local deadline: the renewer keeps moving it on while the database confirms the
-/// lease, however long a busy pool makes the write wait). Errors that may pass (a lost
-/// connection, a deadlock, a timeout) are retried for as long as that; an error the
-/// database gives for the statement itself is tried [`REFUSED_TRIES`] times.
-/// `Err`: gave up; the reaper takes the job back when its lease passes.
+/// Retry a fenced write with backoff for as long as this process may still hold the
+/// lease: until its local deadline, plus one lease (past that, no renewal confirmed it
+/// for a whole lease, and it has surely expired; the write would be refused anyway).
+/// While the renewer confirms the lease the deadline keeps moving, however long a busy
+/// pool makes the write wait. The handler has returned by now, so writing late is only
+/// a question of wasted work, never of safety: every write is fenced. Errors that may
+/// pass (a lost connection, a busy pool, a deadlock, a timeout) are retried for that
+/// long; an error the database gives for the statement itself is tried
+/// [`REFUSED_TRIES`] times. `Err`: gave up; the reaper takes the job back.
 async fn with_retries<T, F, Fut>(ctx: &JobContext, env: &Env, mut write: F) -> Result<T>
 where
     F: FnMut() -> Fut,
@@ -533,14 +536,14 @@ where
                 if !e.is_transient() {
                     refused += 1;
                 }
-                let left = ctx.lease_remaining();
+                let give_up_at = ctx.lease_deadline() + env.config.lease;
+                let left = give_up_at.saturating_duration_since(Instant::now());
                 if refused >= REFUSED_TRIES || left.is_zero() {
                     tracing::error!(job = %job.id, error = %e, "leasehold could not write the job's ending; leaving it to the lease");
                     return Err(e);
                 }
                 env.metrics.incr(|c| &c.completion_retries);
                 tracing::warn!(job = %job.id, error = %e, "leasehold ending write failed; retrying");
-                // Renewals move the deadline on meanwhile; look again before it passes.
                 tokio::time::sleep(pause.min(left)).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
             }

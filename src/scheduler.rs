@@ -195,7 +195,8 @@ impl SidePools {
     fn pool(&self, role: &str) -> PgPool {
         let name = format!("leasehold-{role} {}", self.owner.short());
         let maintenance = role != "listener";
-        let statement_timeout = self.config.renew_interval;
+        // As the renewer's own bound (`LeaseRenewer::answer_within`).
+        let statement_timeout = self.config.renew_interval.max(self.config.lease / 2);
         let renewer = role == "renewer";
         PgPoolOptions::new()
             .max_connections(1)
@@ -207,7 +208,7 @@ impl SidePools {
                             .await?;
                     }
                     if renewer {
-                        // A renewal is abandoned after one interval anyway (client side).
+                        // A renewal is abandoned after this anyway (client side).
                         let ms = statement_timeout.as_millis().max(100);
                         sqlx::Executor::execute(
                             &mut *conn,

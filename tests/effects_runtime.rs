@@ -205,6 +205,12 @@ fn applied_in_order(gateway: &Gateway) -> bool {
 
 #[actix_rt::test]
 async fn every_payment_is_charged_once_in_order_under_crash_dropped_reply_and_stall() {
+    if let Ok(f) = std::env::var("RUST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(f)
+            .with_test_writer()
+            .try_init();
+    }
     within(90, "runtime payments", async {
         let db = TestDb::new("effects_rt_once").await;
         let (gateway, ids) = run_payments(&db, false).await;

@@ -15,7 +15,7 @@ use leasehold::{JobState, Scheduler, StoreOptions};
 use scripted::{scripted, work, Script, Scripted};
 use worker::{config_with_lease, run_in_system, wait_until, POOL};
 
-const LEASE: Duration = Duration::from_secs(1);
+const LEASE: Duration = Duration::from_secs(2);
 
 #[test]
 fn a_successor_parked_for_a_slot_longer_than_a_lease_keeps_its_lease_and_runs_once() {
@@ -29,7 +29,7 @@ fn a_successor_parked_for_a_slot_longer_than_a_lease_keeps_its_lease_and_runs_on
             .start()
             .await
             .unwrap();
-        let long_ms = 5 * LEASE.as_millis() as u64;
+        let long_ms = 4 * LEASE.as_millis() as u64;
         let u1 = scheduler
             .enqueue_job(scripted(work("u1", long_ms)))
             .await

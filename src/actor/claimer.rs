@@ -191,49 +191,51 @@ impl Claimer {
         };
         let store = self.env.claim_store.clone();
         let started = Instant::now();
-        ctx.spawn(async move { store.claim(&req).await }.into_actor(self).map(
-            move |res, act, ctx| {
-                act.claiming -= 1;
-                let env = act.env.clone();
-                env.metrics.record_claim(started.elapsed());
-                env.metrics.incr(|c| &c.claims);
-                let cfg = &env.config;
-                match res {
-                    Ok(jobs) => {
-                        let got = jobs.len();
-                        env.slots.give_back(want - got);
-                        env.metrics.add(|c| &c.claimed, got as u64);
-                        hold(&env, got);
-                        for job in jobs {
-                            // Renewed from this moment, whatever waits before it runs.
-                            let ctx = env.track(job, started);
-                            act.dispatch(ctx);
+        ctx.spawn(
+            async move { store.claim_sent(&req).await }
+                .into_actor(self)
+                .map(move |res, act, ctx| {
+                    act.claiming -= 1;
+                    let env = act.env.clone();
+                    env.metrics.record_claim(started.elapsed());
+                    env.metrics.incr(|c| &c.claims);
+                    let cfg = &env.config;
+                    match res {
+                        Ok((jobs, sent)) => {
+                            let got = jobs.len();
+                            env.slots.give_back(want - got);
+                            env.metrics.add(|c| &c.claimed, got as u64);
+                            hold(&env, got);
+                            for job in jobs {
+                                // Renewed from this moment, whatever waits before it runs.
+                                let ctx = env.track(job, sent);
+                                act.dispatch(ctx);
+                            }
+                            act.more_waiting = got == want || (budget_binds && got > 0);
+                            act.backlog = got == want;
+                            if got == 0 {
+                                env.metrics.incr(|c| &c.empty_claims);
+                                act.poll = (act.poll * 2).min(cfg.poll_interval_max);
+                            } else {
+                                act.poll = cfg.poll_interval_min;
+                            }
+                            if got == want || act.wake_pending {
+                                act.wake_pending = false;
+                                act.claim(ctx);
+                            } else {
+                                act.schedule(ctx, act.poll);
+                            }
                         }
-                        act.more_waiting = got == want || (budget_binds && got > 0);
-                        act.backlog = got == want;
-                        if got == 0 {
-                            env.metrics.incr(|c| &c.empty_claims);
-                            act.poll = (act.poll * 2).min(cfg.poll_interval_max);
-                        } else {
-                            act.poll = cfg.poll_interval_min;
-                        }
-                        if got == want || act.wake_pending {
+                        Err(e) => {
+                            env.slots.give_back(want);
+                            env.metrics.incr(|c| &c.db_errors);
+                            tracing::warn!(error = %e, "leasehold claim failed; retrying");
                             act.wake_pending = false;
-                            act.claim(ctx);
-                        } else {
-                            act.schedule(ctx, act.poll);
+                            act.schedule(ctx, cfg.poll_interval_max);
                         }
                     }
-                    Err(e) => {
-                        env.slots.give_back(want);
-                        env.metrics.incr(|c| &c.db_errors);
-                        tracing::warn!(error = %e, "leasehold claim failed; retrying");
-                        act.wake_pending = false;
-                        act.schedule(ctx, cfg.poll_interval_max);
-                    }
-                }
-            },
-        ));
+                }),
+        );
     }
 
     /// Give parked successors (already claimed, see [`Env::park`]) the free slots before

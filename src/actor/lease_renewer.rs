@@ -14,9 +14,9 @@
 //!
 //! # Never waiting
 //! The renewal statement skips rows another transaction holds (reported *busy*, not
-//! lost; see the store's lease module), and it is abandoned after `renew_interval`
-//! without an answer: the renewer then replaces its connection (a hung connection
-//! would hang the next renewal too) and tries again at the next tick. Its sessions
+//! lost; see the store's lease module), and it is abandoned when it has no answer
+//! within the renew interval (or half the lease, if longer); after two such misses in a
+//! row the renewer replaces its connection (a hung connection would hang every renewal). Its sessions
 //! also set `lock_timeout` and `statement_timeout` (see `scheduler::MAINTENANCE_SESSION`).
 //! Whatever happens, each attempt's local deadline (see
 //! [`JobContext::lease_deadline`]) stops its handler before its lease can expire.
@@ -69,6 +69,10 @@ pub(crate) struct LeaseRenewer {
     confirmed_for: Duration,
     running: Running,
     renewing: bool,
+    /// Renewals abandoned in a row (see [`LeaseRenewer::answer_within`]).
+    timeouts_in_a_row: u32,
+    /// A tick came while a renewal was in flight.
+    tick_missed: bool,
     meter: Arc<MailboxMeter>,
     metrics: Arc<Metrics>,
     capacity: usize,
@@ -104,6 +108,8 @@ impl LeaseRenewer {
             confirmed_for: config.lease - config.renew_interval / 2,
             running,
             renewing: false,
+            timeouts_in_a_row: 0,
+            tick_missed: false,
             meter: metrics.meter("lease_renewer"),
             metrics,
             capacity: config.mailbox_capacity,
@@ -128,7 +134,13 @@ impl LeaseRenewer {
     }
 
     fn renew_once(&mut self) -> Option<impl ActorFuture<Self, Output = (usize, usize)>> {
-        if self.renewing || self.running.is_empty() {
+        if self.renewing {
+            // A tick while a renewal is in flight: renew again as soon as it returns, so
+            // one slow statement does not also cost the next interval.
+            self.tick_missed = true;
+            return None;
+        }
+        if self.running.is_empty() {
             return None;
         }
         let jobs = self.newest();
@@ -137,14 +149,23 @@ impl LeaseRenewer {
         let store = self.store.clone();
         let owner = self.owner.clone();
         let lease = self.lease;
-        let limit = self.interval;
-        let sent = Instant::now();
+        let limit = self.answer_within();
+        let asked = Instant::now();
         let renewal =
             async move { tokio::time::timeout(limit, store.renew(&owner, &jobs, lease)).await };
-        Some(renewal.into_actor(self).map(move |res, act, _| {
+        Some(renewal.into_actor(self).map(move |res, act, ctx| {
             act.renewing = false;
+            if std::mem::take(&mut act.tick_missed) {
+                if let Some(f) = act.renew_once() {
+                    ctx.spawn(f.map(|_, _, _| ()));
+                }
+            }
             match res {
-                Ok(Ok(report)) => act.apply(report, sent, &sent_jobs),
+                Ok(Ok(report)) => {
+                    act.timeouts_in_a_row = 0;
+                    let sent = report.sent_at.unwrap_or(asked);
+                    act.apply(report, sent, &sent_jobs)
+                }
                 Ok(Err(e)) => {
                     act.metrics.incr(|c| &c.db_errors);
                     tracing::warn!(error = %e, "leasehold lease renewal failed; retrying next tick");
@@ -152,18 +173,33 @@ impl LeaseRenewer {
                 }
                 Err(_) => {
                     act.metrics.incr(|c| &c.renew_timeouts);
+                    act.timeouts_in_a_row += 1;
                     tracing::warn!(
-                        "leasehold lease renewal got no answer within {}; reconnecting",
-                        humantime::format_duration(act.interval)
+                        "leasehold lease renewal got no answer within {}",
+                        humantime::format_duration(limit)
                     );
-                    let fresh = act.store.with_pool((act.fresh_pool)());
-                    let old = std::mem::replace(&mut act.store, fresh);
-                    // The hung connection is dropped with the old pool, in the background.
-                    actix::spawn(async move { drop(old) });
+                    // A slow statement's answer is drained on the connection's next use;
+                    // a hung connection would hang that too, so after a second miss in
+                    // a row the renewer opens a fresh one.
+                    if act.timeouts_in_a_row >= 2 {
+                        tracing::warn!("leasehold lease renewer reconnecting");
+                        let fresh = act.store.with_pool((act.fresh_pool)());
+                        let old = std::mem::replace(&mut act.store, fresh);
+                        // The hung connection is dropped with the old pool, in the background.
+                        actix::spawn(async move { drop(old) });
+                        act.timeouts_in_a_row = 0;
+                    }
                     (0, 0)
                 }
             }
         }))
+    }
+
+    /// How long a renewal may take before it is abandoned: the renew interval, or half
+    /// the lease when that is longer. Safety never rests on it (the local deadlines do);
+    /// it keeps one stuck statement from stopping renewal for good.
+    fn answer_within(&self) -> Duration {
+        self.interval.max(self.lease / 2)
     }
 
     /// Act on a renewal's answer: move the local deadlines of the renewed attempts,

@@ -173,18 +173,17 @@ impl Sequencer {
         self.fetching = true;
         let env = self.env.clone();
         let (queue, key) = self.key.clone();
-        let sent = std::time::Instant::now();
         ctx.spawn(
             async move {
                 env.store
-                    .claim_key(&env.owner, &queue, &key, Some(&env.kinds), env.config.lease, None)
+                    .claim_key_sent(&env.owner, &queue, &key, Some(&env.kinds), env.config.lease, None)
                     .await
             }
             .into_actor(self)
             .map(move |res, act, ctx| {
                 act.fetching = false;
                 match res {
-                    Ok(Some(job)) => {
+                    Ok(Some((job, sent))) => {
                         act.env.metrics.incr(|c| &c.claimed);
                         hold(&act.env, 1);
                         act.env.slots.hold_bytes(job.payload_bytes);

@@ -18,7 +18,7 @@
 //! affected by these settings, and they need no session state (so they hold through a
 //! transaction-mode pooler too).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -165,15 +165,29 @@ pub(super) fn with_returned(template: &str) -> String {
 impl Store {
     /// Claim up to `req.limit` eligible jobs in one short statement.
     pub async fn claim(&self, req: &ClaimRequest) -> Result<Vec<ClaimedJob>> {
+        Ok(self.claim_sent(req).await?.0)
+    }
+
+    /// [`Store::claim`], and the moment the statement was sent, once a connection was
+    /// at hand: the leases it took count from a later time, so a local lease deadline
+    /// counted from this one is safe, and waiting for a connection does not eat into it.
+    pub(crate) async fn claim_sent(
+        &self,
+        req: &ClaimRequest,
+    ) -> Result<(Vec<ClaimedJob>, Instant)> {
         if req.limit <= 0 || req.queues.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Instant::now()));
         }
+        let mut conn = self.pool().acquire().await?;
+        let sent = Instant::now();
         let rows = bind_claim!(sqlx::query(&self.sql().claim), req, self)
-            .fetch_all(self.pool())
+            .fetch_all(&mut *conn)
             .await?;
-        rows.iter()
+        let jobs = rows
+            .iter()
             .map(|r| claimed_from_row(r, &req.owner))
-            .collect()
+            .collect::<Result<_>>()?;
+        Ok((jobs, sent))
     }
 
     /// `EXPLAIN (ANALYZE, BUFFERS)` of the claim function's inner queries as it runs
@@ -257,6 +271,25 @@ impl Store {
         lease: Duration,
         at: Option<DateTime<Utc>>,
     ) -> Result<Option<ClaimedJob>> {
+        let key = self
+            .claim_key_sent(owner, queue, key, kinds, lease, at)
+            .await?;
+        Ok(key.map(|(job, _)| job))
+    }
+
+    /// [`Store::claim_key`], and the moment the statement was sent (see
+    /// [`Store::claim_sent`]).
+    pub(crate) async fn claim_key_sent(
+        &self,
+        owner: &OwnerId,
+        queue: &str,
+        key: &str,
+        kinds: Option<&[String]>,
+        lease: Duration,
+        at: Option<DateTime<Utc>>,
+    ) -> Result<Option<(ClaimedJob, Instant)>> {
+        let mut conn = self.pool().acquire().await?;
+        let sent = Instant::now();
         let row = sqlx::query(&self.sql().claim_key)
             .bind(queue)
             .bind(key)
@@ -265,8 +298,9 @@ impl Store {
             .bind(at)
             .bind(secs(lease))
             .bind(self.options().full_history)
-            .fetch_optional(self.pool())
+            .fetch_optional(&mut *conn)
             .await?;
-        row.map(|r| claimed_from_row(&r, owner)).transpose()
+        row.map(|r| Ok((claimed_from_row(&r, owner)?, sent)))
+            .transpose()
     }
 }

@@ -53,6 +53,9 @@ pub struct RenewReport {
     pub lost: Vec<JobId>,
     /// Renewed jobs an operator asked to cancel: their handlers must be told.
     pub cancel_requested: Vec<JobId>,
+    /// When the statement was sent, once a connection was at hand, on this process's
+    /// monotonic clock: every renewed lease runs at least `lease` from this moment.
+    pub sent_at: Option<std::time::Instant>,
 }
 
 impl Store {
@@ -70,14 +73,19 @@ impl Store {
         }
         let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
         let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
+        let mut conn = self.pool().acquire().await?;
+        let sent = std::time::Instant::now();
         let rows = sqlx::query(&self.sql().renew)
             .bind(&ids)
             .bind(&gens)
             .bind(owner.as_str())
             .bind(secs(lease))
-            .fetch_all(self.pool())
+            .fetch_all(&mut *conn)
             .await?;
-        let mut report = RenewReport::default();
+        let mut report = RenewReport {
+            sent_at: Some(sent),
+            ..Default::default()
+        };
         for row in rows {
             let id = JobId(row.try_get("id")?);
             match row.try_get::<Option<DateTime<Utc>>, _>("lease_until")? {

@@ -68,6 +68,13 @@ pub fn run_in_system<F>(body: F)
 where
     F: std::future::Future<Output = ()> + 'static,
 {
+    // `RUST_LOG=leasehold=debug cargo test ...` shows what the scheduler did.
+    if let Ok(filter) = std::env::var("RUST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    }
     let system = actix::System::new();
     match system.block_on(async move { actix::spawn(body).await }) {
         Ok(()) => drop(system),
