@@ -17,6 +17,7 @@ pub const DEFAULT_RENEW_INTERVAL: Duration = Duration::from_secs(10);
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(50);
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_secs(2);
 pub const DEFAULT_CLAIM_BATCH_MAX: usize = 100;
+pub const DEFAULT_CLAIM_AHEAD: usize = 32;
 pub const DEFAULT_INFLIGHT_BYTES: usize = 64 * 1024 * 1024;
 pub const DEFAULT_MAX_RUN_TIME: Duration = Duration::from_secs(30 * 60);
 pub const DEFAULT_REAPER_INTERVAL: Duration = Duration::from_secs(5);
@@ -74,6 +75,14 @@ pub struct Config {
     pub poll_interval_max: Duration,
     /// Most jobs claimed per statement. Default 100.
     pub claim_batch_max: usize,
+    /// Jobs claimed beyond the free slots, to wait in this process for the next one: a
+    /// handler that returns starts the next job at once, with no round trip, and claims
+    /// come in batches even at concurrency 1. They are leased and renewed from their
+    /// claim, count against `inflight_byte_budget`, are released at once on shutdown
+    /// and given back if they wait a lease. The cost: a process that dies holds them
+    /// until their leases expire, and other processes cannot run them meanwhile. 0 turns
+    /// it off. Default 32.
+    pub claim_ahead: usize,
     /// Payload bytes this scheduler holds at once, at most (the first job of a claim is
     /// always taken). Default 64 MiB.
     pub inflight_byte_budget: usize,
@@ -121,6 +130,7 @@ impl Default for Config {
             poll_interval_min: DEFAULT_POLL_MIN,
             poll_interval_max: DEFAULT_POLL_MAX,
             claim_batch_max: DEFAULT_CLAIM_BATCH_MAX,
+            claim_ahead: DEFAULT_CLAIM_AHEAD,
             inflight_byte_budget: DEFAULT_INFLIGHT_BYTES,
             retry: RetryPolicy::default(),
             max_run_time: DEFAULT_MAX_RUN_TIME,
@@ -319,6 +329,7 @@ impl Config {
             "poll_interval_min" => self.poll_interval_min = dur("poll_interval_min")?,
             "poll_interval_max" => self.poll_interval_max = dur("poll_interval_max")?,
             "claim_batch_max" => self.claim_batch_max = num("claim_batch_max")?,
+            "claim_ahead" => self.claim_ahead = num("claim_ahead")?,
             "inflight_byte_budget" => self.inflight_byte_budget = num("inflight_byte_budget")?,
             "max_attempts" => self.retry.max_attempts = num("max_attempts")? as i32,
             "backoff_base" => self.retry.backoff.base = dur("backoff_base")?,

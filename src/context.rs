@@ -277,15 +277,13 @@ impl JobContext {
         if let Some(recorded) = self.recorded(&key, &fingerprint).await? {
             return Ok(recorded);
         }
-        if self.is_cancelled() {
-            return Err(JobError::retry(format!(
-                "attempt cancelled ({:?}) before effect {key}",
-                self.cancel_reason()
-            )));
-        }
+        self.live_for(&key)?;
         let outcome = match lookup(key.clone()).await? {
             Some(found) => found,
-            None => act(key.clone()).await?,
+            None => {
+                self.live_for(&key)?;
+                act(key.clone()).await?
+            }
         };
         let value = serde_json::to_value(&outcome)
             .map_err(|e| JobError::permanent(format!("cannot encode the outcome of {key}: {e}")))?;
@@ -315,6 +313,19 @@ impl JobContext {
                 "lost the lease after effect {key}; the next attempt will find it by its key"
             ))),
         }
+    }
+
+    /// Never act without a live lease: not cancelled, and not past the local deadline
+    /// (a process that was stopped, e.g. by SIGSTOP, may wake up with its lease taken
+    /// over by another; it must not act before a renewal confirms it).
+    fn live_for(&self, key: &EffectKey) -> Result<(), JobError> {
+        if self.lease_live() {
+            return Ok(());
+        }
+        Err(JobError::retry(format!(
+            "attempt stopped before effect {key}: lease not confirmed, or cancelled ({:?})",
+            self.cancel_reason()
+        )))
     }
 
     async fn recorded<Out: DeserializeOwned>(

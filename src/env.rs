@@ -1,7 +1,6 @@
 //! The shared state of one running scheduler, handed to its actors and executions.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use dashmap::DashMap;
@@ -9,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::actor::claimer::Claimer;
 use crate::actor::completer::Completer;
+use crate::actor::dispatch::ReadyQueue;
 use crate::actor::lease_renewer::{LeaseRenewer, Running};
 use crate::actor::sequencer::SequencerHandle;
 use crate::actor::{Metered, Slots};
@@ -47,10 +47,10 @@ pub(crate) struct Env {
     /// Fired when the shutdown grace period ends: running attempts are cancelled and
     /// their jobs released.
     pub hard_stop: CancellationToken,
-    /// Keyed successors claimed by a completion while every slot was busy: the claimer
-    /// hands each the next free slot before it claims anything new. Their leases are
-    /// renewed meanwhile (they are in `running`).
-    pub parked: Mutex<VecDeque<JobContext>>,
+    /// Claimed jobs waiting for a free slot (claimed ahead, or a key's successor claimed
+    /// while every slot was busy); see `actor::dispatch`. Their leases are renewed
+    /// meanwhile (they are in `running`).
+    pub ready: ReadyQueue,
 }
 
 impl Env {
@@ -79,15 +79,6 @@ impl Env {
     /// handler (a quarter of the renew interval) before the lease can expire.
     pub fn lease_deadline_after(&self, sent: Instant) -> Instant {
         sent + self.config.lease - self.config.renew_interval / 2
-    }
-
-    /// Queue a claimed successor for the next free slot.
-    pub fn park(&self, job: JobContext) {
-        self.parked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(job);
-        self.wake_claimer();
     }
 
     /// Tell the claimer that slots were freed (or a successor was parked). New work is

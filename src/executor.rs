@@ -145,9 +145,10 @@ async fn attempt_once(
             .then_some(&next);
     let ended = write_ending(&env, &ctx, attempt, chain).await;
     let next = next.into_inner().unwrap_or_else(|p| p.into_inner());
-    if matches!(next, Successor::Claimed(_)) {
+    if let Successor::Claimed(next) = &next {
         // Counted before this attempt's own hold ends, so shutdown never sees a gap.
         hold(&env, 1);
+        env.slots.hold_bytes(next.job().payload_bytes);
         env.metrics.incr(|c| &c.claimed);
     }
     env.untrack(&ctx);

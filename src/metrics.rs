@@ -123,6 +123,8 @@ macro_rules! counters {
 counters! {
     /// Jobs claimed (by the claimer or a sequencer's fetch-next).
     claimed,
+    /// Of `claimed`: jobs claimed ahead of a free slot (`Config::claim_ahead`).
+    claimed_ahead,
     /// Claim statements run.
     claims,
     /// Claim statements that returned nothing.
@@ -197,6 +199,8 @@ pub struct Metrics {
     pub(crate) in_flight: AtomicU64,
     /// Sequencer actors alive now.
     pub(crate) sequencers: AtomicU64,
+    /// Claimed jobs waiting in this process for a free slot now.
+    pub(crate) ready: AtomicU64,
 }
 
 impl Metrics {
@@ -232,6 +236,7 @@ impl Metrics {
             mailboxes,
             in_flight: self.in_flight.load(Relaxed),
             sequencers: self.sequencers.load(Relaxed),
+            ready: self.ready.load(Relaxed),
             claim_latency: self.claim_latency.summary(),
             enqueue_to_start: self.start_latency.summary(),
         }
@@ -245,6 +250,9 @@ pub struct MetricsSnapshot {
     pub mailboxes: Vec<MailboxSnapshot>,
     pub in_flight: u64,
     pub sequencers: u64,
+    /// Claimed jobs waiting in this process for a free slot (claimed ahead, or a key's
+    /// successor claimed while every slot was busy).
+    pub ready: u64,
     /// Time of claim statements.
     pub claim_latency: LatencySummary,
     /// Database time from enqueue (or run-at) to claim, first attempts only.
@@ -343,6 +351,7 @@ pub fn flatten(snapshot: &MetricsSnapshot) -> BTreeMap<String, u64> {
     }
     out.insert("leasehold_in_flight".into(), snapshot.in_flight);
     out.insert("leasehold_sequencers".into(), snapshot.sequencers);
+    out.insert("leasehold_ready".into(), snapshot.ready);
     out
 }
 

@@ -137,7 +137,7 @@ impl SchedulerBuilder {
             running: running.clone(),
             stop_claiming: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
-            parked: Default::default(),
+            ready: Default::default(),
             config: config.clone(),
         });
         let claimer = Metered::new(Claimer::new(env.clone()).start(), metrics.meter("claimer"));

@@ -73,10 +73,22 @@ fn a_host_transaction_holding_a_key_does_not_stall_renewal_of_other_jobs() {
             .unwrap();
         h.open("host-holds-k");
         h.ended("head", 10).await;
-        tokio::time::sleep(3 * LEASE / 2).await;
-        // The head's completion waits for K; the long job's lease did not.
+        // The head's completion waits for K; the long job's lease must not: sampled
+        // while the host holds K, it is always in the future by the database's clock.
+        let until = Instant::now() + 3 * LEASE;
+        while Instant::now() < until {
+            let behind: bool = sqlx::query_scalar(&format!(
+                "SELECT lease_until < now() FROM {} WHERE id = $1",
+                db.table("jobs")
+            ))
+            .bind(long.0)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            assert!(!behind, "the long job's lease lapsed while the host held K");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         assert_eq!(db.store.job(head).await.unwrap().state, JobState::Running);
-        tokio::time::sleep(3 * LEASE / 2).await;
         host.commit().await.unwrap();
         wait_done(&db, &[long, head, next], 20).await;
         let m = scheduler.metrics();

@@ -34,10 +34,9 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::sequencer::{RunJob, SequencerHandle};
-use crate::context::JobContext;
+use super::dispatch::{dispatch, release_ready, start_ready, wait_for_slot};
 use crate::env::Env;
-use crate::executor::{execute_then, hold, unhold};
+use crate::executor::hold;
 use crate::metrics::MailboxMeter;
 use crate::store::ClaimRequest;
 
@@ -125,12 +124,19 @@ impl Claimer {
     /// Claim into the free slots; `waited`: the coalescing wait is over.
     fn claim_after(&mut self, ctx: &mut Context<Self>, waited: bool) {
         if self.stopping || self.env.stop_claiming.is_cancelled() {
-            self.release_parked();
+            release_ready(&self.env, None, "released at shutdown");
             return;
         }
-        self.serve_parked();
+        // Jobs that waited a lease for a slot go back to the queue for others.
+        release_ready(
+            &self.env,
+            Some(self.env.config.lease),
+            "waited a lease for a slot; given back",
+        );
+        start_ready(&self.env);
         let cfg = &self.env.config;
         let free = self.env.slots.free();
+        let ahead_room = cfg.claim_ahead.saturating_sub(self.env.ready.len());
         let half_batch = cfg.claim_batch_max.min(cfg.concurrency).div_ceil(2);
         // A second statement alongside the first only while there is a backlog (the last
         // claim came back full) and for half a batch or more; otherwise what arrives
@@ -141,7 +147,12 @@ impl Claimer {
             self.wake_pending = true;
             return;
         }
-        if !waited && self.claiming == 0 && free > 0 && free < half_batch && free < cfg.concurrency
+        if cfg.claim_ahead == 0
+            && !waited
+            && self.claiming == 0
+            && free > 0
+            && free < half_batch
+            && free < cfg.concurrency
         {
             if !self.coalescing {
                 if let Some(h) = self.next_tick.take() {
@@ -170,10 +181,18 @@ impl Claimer {
             self.more_waiting = true;
             return;
         }
-        let want = self.env.slots.take(cfg.claim_batch_max);
+        // Free slots first; then jobs to wait here for the next ones, topped up in
+        // half-queue steps so a busy scheduler claims in batches.
+        let slots = self.env.slots.take(cfg.claim_batch_max);
+        let ahead = if slots > 0 || ahead_room * 2 >= cfg.claim_ahead.max(1) {
+            ahead_room.min(cfg.claim_batch_max - slots)
+        } else {
+            0
+        };
+        let want = slots + ahead;
         if want == 0 {
             self.more_waiting = true;
-            // Every slot is busy; a finishing job wakes us.
+            // Every slot is busy and the queue full; a finishing job wakes us.
             return;
         }
         self.claiming += 1;
@@ -197,20 +216,36 @@ impl Claimer {
                 .map(move |res, act, ctx| {
                     act.claiming -= 1;
                     let env = act.env.clone();
-                    env.metrics.record_claim(started.elapsed());
+                    let took = started.elapsed();
+                    env.metrics.record_claim(took);
+                    if took > env.config.lease / 4 {
+                        tracing::warn!(
+                            took_ms = took.as_millis() as u64,
+                            "leasehold claim statement was slow; its leases started when it did"
+                        );
+                    }
                     env.metrics.incr(|c| &c.claims);
                     let cfg = &env.config;
                     match res {
                         Ok((jobs, sent)) => {
                             let got = jobs.len();
-                            env.slots.give_back(want - got);
+                            env.slots.give_back(slots.saturating_sub(got));
                             env.metrics.add(|c| &c.claimed, got as u64);
+                            env.metrics
+                                .add(|c| &c.claimed_ahead, got.saturating_sub(slots) as u64);
                             hold(&env, got);
-                            for job in jobs {
+                            for (n, job) in jobs.into_iter().enumerate() {
+                                env.slots.hold_bytes(job.payload_bytes);
                                 // Renewed from this moment, whatever waits before it runs.
                                 let ctx = env.track(job, sent);
-                                act.dispatch(ctx);
+                                if n < slots {
+                                    dispatch(&env, ctx);
+                                } else {
+                                    wait_for_slot(&env, ctx);
+                                }
                             }
+                            // A slot freed while the claim ran takes a waiting job now.
+                            start_ready(&env);
                             act.more_waiting = got == want || (budget_binds && got > 0);
                             act.backlog = got == want;
                             if got == 0 {
@@ -227,7 +262,7 @@ impl Claimer {
                             }
                         }
                         Err(e) => {
-                            env.slots.give_back(want);
+                            env.slots.give_back(slots);
                             env.metrics.incr(|c| &c.db_errors);
                             tracing::warn!(error = %e, "leasehold claim failed; retrying");
                             act.wake_pending = false;
@@ -236,83 +271,6 @@ impl Claimer {
                     }
                 }),
         );
-    }
-
-    /// Give parked successors (already claimed, see [`Env::park`]) the free slots before
-    /// anything new is claimed.
-    fn serve_parked(&mut self) {
-        loop {
-            let job = {
-                let mut parked = self.env.parked.lock().unwrap_or_else(|p| p.into_inner());
-                if parked.is_empty() || self.env.slots.take(1) == 0 {
-                    return;
-                }
-                parked.pop_front()
-            };
-            if let Some(job) = job {
-                self.dispatch(job);
-            }
-        }
-    }
-
-    /// Shutdown: parked successors will not run here; give them back at once.
-    fn release_parked(&mut self) {
-        let jobs: Vec<JobContext> = self
-            .env
-            .parked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
-        if jobs.is_empty() {
-            return;
-        }
-        let env = self.env.clone();
-        let held: Vec<_> = jobs.iter().map(|j| (j.job_id(), j.generation())).collect();
-        actix::spawn(async move {
-            match env
-                .store
-                .release_many(&env.owner, &held, "released at shutdown")
-                .await
-            {
-                Ok(ids) => env.metrics.add(|c| &c.released, ids.len() as u64),
-                Err(e) => {
-                    tracing::warn!(error = %e, "leasehold could not release parked jobs; their leases will expire")
-                }
-            }
-            for ctx in &jobs {
-                env.untrack(ctx);
-            }
-            unhold(&env, held.len());
-        });
-    }
-
-    /// Run an unkeyed job as a task; give a keyed one to its key's sequencer.
-    fn dispatch(&mut self, ctx: JobContext) {
-        let job = ctx.job();
-        self.env.slots.hold_bytes(job.payload_bytes);
-        match job.key.clone() {
-            None => {
-                let env = self.env.clone();
-                let bytes = job.payload_bytes;
-                actix::spawn(async move {
-                    let slots = env.clone();
-                    execute_then(env.clone(), ctx, move || {
-                        slots.slots.release_bytes(bytes);
-                        slots.slots.finishing();
-                        slots.wake_claimer();
-                    })
-                    .await;
-                    if env.slots.finished() {
-                        env.wake_claimer();
-                    }
-                });
-            }
-            Some(key) => {
-                let queue = job.queue.clone();
-                SequencerHandle::deliver(&self.env, (queue, key), RunJob(ctx))
-            }
-        }
     }
 }
 
@@ -339,13 +297,7 @@ impl Handler<SlotsFreed> for Claimer {
     type Result = ();
     fn handle(&mut self, _: SlotsFreed, ctx: &mut Self::Context) {
         let _m = self.meter.handling();
-        let parked = !self
-            .env
-            .parked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty();
-        if !self.more_waiting && !parked {
+        if !self.more_waiting && self.env.ready.is_empty() {
             return;
         }
         self.claim(ctx);
@@ -360,7 +312,7 @@ impl Handler<StopClaiming> for Claimer {
         if let Some(h) = self.next_tick.take() {
             ctx.cancel_future(h);
         }
-        self.release_parked();
+        release_ready(&self.env, None, "released at shutdown");
         self.claiming > 0
     }
 }

@@ -14,6 +14,7 @@
 
 pub(crate) mod claimer;
 pub(crate) mod completer;
+pub(crate) mod dispatch;
 pub(crate) mod lease_renewer;
 pub(crate) mod listener;
 pub(crate) mod reaper;

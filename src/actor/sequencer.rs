@@ -129,6 +129,7 @@ impl Sequencer {
                 // (which promotes this key's successor) is written.
                 freed.slots.release_bytes(bytes);
                 freed.slots.finishing();
+                super::dispatch::start_ready(&freed);
                 freed.wake_claimer();
             })
             .into_actor(self)
@@ -150,10 +151,10 @@ impl Sequencer {
             // now if a slot is free; otherwise the claimer gives it the next one, before
             // claiming anything new. Anything delivered meanwhile waits behind it.
             if self.env.slots.take(1) == 1 {
-                self.env.slots.hold_bytes(job.job().payload_bytes);
                 self.run(job, ctx);
             } else {
-                self.env.park(job);
+                super::dispatch::wait_for_slot(&self.env, job);
+                self.env.wake_claimer();
                 self.next_or_idle(ctx);
             }
             return;

@@ -48,11 +48,12 @@ const EXPLAIN_LEVEL: &str = "SELECT c.id, c.payload_bytes FROM unnest($1::text[]
      ORDER BY c.available_at, c.id LIMIT $5::int4";
 
 /// The settings the claim function runs under (its SET clauses).
-const FUNCTION_SETTINGS: [&str; 4] = [
+const FUNCTION_SETTINGS: [&str; 5] = [
     "SET LOCAL plan_cache_mode = force_generic_plan",
     "SET LOCAL enable_seqscan = off",
     "SET LOCAL enable_bitmapscan = off",
     "SET LOCAL enable_sort = off",
+    "SET LOCAL jit = off",
 ];
 
 pub(super) const CLAIM_KEY: &str = r#"/* leasehold:claim_key */

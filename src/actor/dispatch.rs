@@ -1,0 +1,143 @@
+//! Dispatch: start claimed jobs in free slots, and the queue of claimed jobs waiting for
+//! one.
+//!
+//! A job waits here when it was claimed ahead of a free slot (`Config::claim_ahead`),
+//! or when a key's successor was claimed by its predecessor's completion while every
+//! slot was busy. Either way it is already tracked: its lease is renewed while it waits,
+//! its payload bytes count against the budget, and shutdown releases it at once. A
+//! handler that returns starts the next waiting job itself, in the slot it frees, with
+//! no message and no round trip; the claimer only keeps the queue filled. A job that
+//! waited longer than a lease is given back (released, its attempt not counted), so a
+//! busy process does not hold work that others could run.
+//!
+//! Not an actor: functions over the scheduler's shared state, called from the claimer,
+//! the sequencers and finishing executions, all on the host's arbiter.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::sequencer::{RunJob, SequencerHandle};
+use crate::context::JobContext;
+use crate::env::Env;
+use crate::executor::{execute_then, unhold};
+
+/// Claimed jobs waiting for a slot, oldest first.
+#[derive(Default)]
+pub(crate) struct ReadyQueue {
+    jobs: Mutex<VecDeque<(JobContext, Instant)>>,
+}
+
+impl ReadyQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<(JobContext, Instant)>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+}
+
+/// Queue a claimed (tracked, byte-counted) job for the next free slot.
+pub(crate) fn wait_for_slot(env: &Env, ctx: JobContext) {
+    env.ready.lock().push_back((ctx, Instant::now()));
+    env.metrics.ready.fetch_add(1, SeqCst);
+}
+
+/// Start waiting jobs while slots are free. Returns how many started.
+pub(crate) fn start_ready(env: &Arc<Env>) -> usize {
+    let mut started = 0;
+    loop {
+        let next = {
+            let mut ready = env.ready.lock();
+            if ready.is_empty() || env.slots.take(1) == 0 {
+                break;
+            }
+            ready.pop_front()
+        };
+        let Some((ctx, _)) = next else { break };
+        env.metrics.ready.fetch_sub(1, SeqCst);
+        dispatch(env, ctx);
+        started += 1;
+    }
+    started
+}
+
+/// Run a claimed job that holds a slot (and its bytes): an unkeyed one as a task, a
+/// keyed one through its key's sequencer.
+pub(crate) fn dispatch(env: &Arc<Env>, ctx: JobContext) {
+    let job = ctx.job();
+    match job.key.clone() {
+        None => {
+            let env = env.clone();
+            let bytes = job.payload_bytes;
+            actix::spawn(async move {
+                let freed = env.clone();
+                execute_then(env.clone(), ctx, move || {
+                    // The handler returned: its slot serves the next waiting job at once,
+                    // while this one's completion is written.
+                    freed.slots.release_bytes(bytes);
+                    freed.slots.finishing();
+                    start_ready(&freed);
+                    freed.wake_claimer();
+                })
+                .await;
+                if env.slots.finished() {
+                    env.wake_claimer();
+                }
+            });
+        }
+        Some(key) => {
+            let queue = job.queue.clone();
+            SequencerHandle::deliver(env, (queue, key), RunJob(ctx))
+        }
+    }
+}
+
+/// Give back waiting jobs: all of them (`older_than` None: shutdown), or those that
+/// waited longer than `older_than`. Released, not failed: the attempt is not counted.
+pub(crate) fn release_ready(env: &Arc<Env>, older_than: Option<Duration>, reason: &'static str) {
+    let jobs: Vec<JobContext> = {
+        let mut ready = env.ready.lock();
+        match older_than {
+            None => ready.drain(..).map(|(ctx, _)| ctx).collect(),
+            Some(age) => {
+                let mut old = Vec::new();
+                while ready
+                    .front()
+                    .is_some_and(|(_, since)| since.elapsed() > age)
+                {
+                    if let Some((ctx, _)) = ready.pop_front() {
+                        old.push(ctx);
+                    }
+                }
+                old
+            }
+        }
+    };
+    if jobs.is_empty() {
+        return;
+    }
+    env.metrics.ready.fetch_sub(jobs.len() as u64, SeqCst);
+    let env = env.clone();
+    actix::spawn(async move {
+        let held: Vec<_> = jobs.iter().map(|j| (j.job_id(), j.generation())).collect();
+        match env.store.release_many(&env.owner, &held, reason).await {
+            Ok(ids) => env.metrics.add(|c| &c.released, ids.len() as u64),
+            Err(e) => {
+                tracing::warn!(error = %e, "leasehold could not release waiting jobs; their leases will expire")
+            }
+        }
+        for ctx in &jobs {
+            env.slots.release_bytes(ctx.job().payload_bytes);
+            env.untrack(ctx);
+        }
+        unhold(&env, jobs.len());
+        env.wake_claimer();
+    });
+}
