@@ -5,6 +5,10 @@
 //! left running, and only one database-wide fault runs at a time. A fault that found
 //! nothing to hit (no listener connected at that moment, no holdable job) is retried
 //! until its kind has been hit once: a run that misses a kind fails the check.
+//!
+//! The faults a host and an operator make on purpose (a long transaction holding a hot
+//! key, a session locking running rows, a cancel of a running head) are in
+//! [`crate::nemesis_host`].
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::SeqCst;
@@ -19,12 +23,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::harness::{Harness, WorkerSlot};
-use crate::model::{now_us, FaultRecord};
+use crate::model::{now_mono_ns, now_us, FaultRecord};
 use crate::procs;
 use crate::proxy::Mode;
 
 /// Every fault kind with its weight in the random part of the schedule.
-pub const FAULTS: [(&str, u32); 15] = [
+pub const FAULTS: [(&str, u32); 19] = [
     ("sigkill", 10),
     ("sigstop", 12),
     ("sigterm", 5),
@@ -40,7 +44,27 @@ pub const FAULTS: [(&str, u32); 15] = [
     ("effect_reply_lost", 6),
     ("manual_hold", 6),
     ("manual_cancel", 6),
+    ("row_lock", 6),
+    ("host_enqueue_commit", 4),
+    ("host_enqueue_rollback", 3),
+    ("cancel_running_head", 7),
 ];
+
+/// When a fault began, on both clocks.
+#[derive(Clone, Copy, Debug)]
+pub struct Start {
+    pub us: i64,
+    pub mono: i64,
+}
+
+impl Start {
+    pub fn now() -> Start {
+        Start {
+            us: now_us(),
+            mono: now_mono_ns(),
+        }
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct Planned {
@@ -83,6 +107,13 @@ pub fn plan(rng: &mut StdRng, lease_ms: u64, gap: (u64, u64), len: usize) -> Vec
                 "effect_reply_lost" => (0, rng.gen_range(2..5)),
                 "manual_hold" => (rng.gen_range(500..3000), 4),
                 "manual_cancel" => (0, 3),
+                // Held past the lease: a renewal that waits on the lock loses every
+                // lease of its process.
+                "row_lock" => ((lease * rng.gen_range(1.5..2.5)) as u64, rng.gen_range(1..=2)),
+                "host_enqueue_commit" | "host_enqueue_rollback" => {
+                    ((lease * rng.gen_range(1.5..2.5)) as u64, 0)
+                }
+                "cancel_running_head" => (0, rng.gen_range(1..=2)),
                 "pg_terminate_worker" => (0, rng.gen_range(1..4)),
                 "proxy_cut" => (0, rng.gen_bool(0.3) as u64),
                 _ => (0, 0),
@@ -141,23 +172,26 @@ pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) -> Vec<Jo
     background
 }
 
-fn record(h: &Harness, kind: &str, target: String, start_us: i64, hit: bool, detail: String) {
+pub fn record(h: &Harness, kind: &str, target: String, start: Start, hit: bool, detail: String) {
+    record_with(h, start, FaultRecord::new(kind, target, start.us, hit, detail));
+}
+
+/// Record a fault built by the caller (with the jobs or key it acted on).
+pub fn record_with(h: &Harness, start: Start, mut rec: FaultRecord) {
+    rec.start_us = start.us;
+    rec.start_mono_ns = start.mono;
     if std::env::var("CHAOS_QUIET").is_err() {
-        println!("chaos: fault {kind:<22} {target:<4} hit={hit} {detail}",);
+        println!(
+            "chaos: fault {:<22} {:<4} hit={} {}",
+            rec.kind, rec.target, rec.hit, rec.detail
+        );
     }
-    h.record_fault(FaultRecord {
-        kind: kind.into(),
-        target,
-        start_us,
-        end_us: now_us(),
-        hit,
-        detail,
-    });
+    h.record_fault(rec);
 }
 
 /// Pick an idle worker and mark it busy. `stopping`: the fault takes the worker out, so
 /// at least one other worker must stay up.
-async fn pick(h: &Harness, target: usize, stopping: bool) -> Option<Arc<WorkerSlot>> {
+pub async fn pick(h: &Harness, target: usize, stopping: bool) -> Option<Arc<WorkerSlot>> {
     for _ in 0..25 {
         let busy = h.slots.iter().filter(|s| s.busy.load(SeqCst)).count();
         if !(stopping && busy + 1 >= h.slots.len()) {
@@ -178,15 +212,52 @@ async fn pick(h: &Harness, target: usize, stopping: bool) -> Option<Arc<WorkerSl
     None
 }
 
+/// The proxies recognise the lease renewer's connection by its application_name.
+const RENEWER: &str = "leasehold-renewer";
+
+/// A worker running a long job claimed within the last second, if any.
+async fn fresh_long_job_worker(h: &Harness) -> Option<usize> {
+    let owners: Vec<String> = sqlx::query_scalar(
+        "SELECT owner FROM leasehold.jobs WHERE state = 'running' AND kind = 'slow' \
+         AND claimed_at > now() - interval '1 second'",
+    )
+    .fetch_all(&h.admin)
+    .await
+    .unwrap_or_default();
+    h.slots
+        .iter()
+        .position(|s| h.owner_of(s).map(|o| owners.contains(&o)).unwrap_or(false))
+}
+
+/// [`pick`], preferring the worker at index `preferred` when it is idle.
+pub async fn pick_preferring(
+    h: &Harness,
+    preferred: Option<usize>,
+    target: usize,
+    stopping: bool,
+) -> Option<Arc<WorkerSlot>> {
+    if let Some(s) = preferred.and_then(|i| h.slots.get(i)) {
+        let busy = h.slots.iter().filter(|s| s.busy.load(SeqCst)).count();
+        let may = !(stopping && busy + 1 >= h.slots.len()) && s.proc.lock().unwrap().is_some();
+        if may && s.busy.compare_exchange(false, true, SeqCst, SeqCst).is_ok() {
+            return Some(s.clone());
+        }
+    }
+    pick(h, target, stopping).await
+}
+
 fn pid_of(slot: &WorkerSlot) -> Option<u32> {
     slot.proc.lock().unwrap().as_ref().map(|r| r.child.id())
 }
 
 /// Apply one fault. Long faults return their healing task.
 async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinHandle<()>> {
-    let start = now_us();
+    let start = Start::now();
     let kind = p.kind;
     match kind {
+        "row_lock" | "host_enqueue_commit" | "host_enqueue_rollback" | "cancel_running_head" => {
+            crate::nemesis_host::inject(h, p, rng).await
+        }
         "sigkill" => {
             let slot = pick(h, p.target, true).await?;
             let hit = h
@@ -242,26 +313,36 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
             let h = h.clone();
             let p = p.clone();
             Some(tokio::spawn(async move {
+                let mut held = 0;
                 for slot in &h.slots {
-                    slot.proxy.partition_app(Some("leasehold-renewer"));
+                    held += slot.proxy.partition_app(Some(RENEWER));
                 }
                 tokio::time::sleep(Duration::from_millis(p.dur_ms)).await;
+                let mut closed = 0;
                 for slot in &h.slots {
-                    slot.proxy.partition_app(None);
+                    closed += slot.proxy.partition_app(None);
                 }
                 let detail = format!(
-                    "every renewer, {}ms (lease {}ms)",
+                    "every renewer, {}ms (lease {}ms); {held} renewer connection(s) held open, {closed} closed while held",
                     p.dur_ms, h.profile.lease_ms
                 );
-                record(&h, p.kind, "all".into(), start, true, detail);
+                record(&h, p.kind, "all".into(), start, held > 0 && closed == 0, detail);
             }))
         }
         "sigstop" | "proxy_blackhole" | "proxy_blackhole_renewer" | "proxy_delay" => {
-            let slot = pick(h, p.target, kind != "proxy_delay").await?;
+            // A hung renewal matters while a handler outlives the lease: aim at a worker
+            // that has just started a long job.
+            let preferred = if kind == "proxy_blackhole_renewer" {
+                fresh_long_job_worker(h).await
+            } else {
+                None
+            };
+            let slot = pick_preferring(h, preferred, p.target, kind != "proxy_delay").await?;
             let h = h.clone();
             let p = p.clone();
             Some(tokio::spawn(async move {
                 let pid = pid_of(&slot);
+                let (mut held, mut closed) = (0, 0);
                 let hit = match p.kind {
                     "sigstop" => pid
                         .map(|pid| procs::signal(pid, libc::SIGSTOP))
@@ -271,9 +352,10 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                         true
                     }
                     // A partial partition: the worker claims and completes, but its
-                    // renewals hang, so its leases expire while it believes it owns them.
+                    // renewals hang (the connection stays open, nothing comes back), so
+                    // its leases expire while it believes it owns them.
                     "proxy_blackhole_renewer" => {
-                        slot.proxy.partition_app(Some("leasehold-renewer"));
+                        held = slot.proxy.partition_app(Some(RENEWER));
                         true
                     }
                     _ => {
@@ -290,15 +372,21 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                     }
                     _ => {
                         slot.proxy.set(Mode::Pass);
-                        slot.proxy.partition_app(None);
+                        closed = slot.proxy.partition_app(None);
                     }
                 }
                 slot.busy.store(false, SeqCst);
                 let detail = if p.kind == "proxy_delay" {
                     format!("{}ms per chunk for {}ms", p.n, p.dur_ms)
+                } else if p.kind == "proxy_blackhole_renewer" {
+                    format!(
+                        "{}ms (lease {}ms); {held} renewer connection(s) held open, {closed} closed while held",
+                        p.dur_ms, h.profile.lease_ms
+                    )
                 } else {
                     format!("{}ms (lease {}ms)", p.dur_ms, h.profile.lease_ms)
                 };
+                let hit = hit && (p.kind != "proxy_blackhole_renewer" || (held > 0 && closed == 0));
                 record(&h, p.kind, format!("w{}", slot.id), start, hit, detail);
             }))
         }
@@ -460,7 +548,7 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
             let after = p.dur_ms;
             Some(tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(after)).await;
-                let start = now_us();
+                let start = Start::now();
                 let mut released = 0;
                 for id in &held {
                     let r = tokio::time::timeout(
@@ -504,7 +592,8 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                     h.store.cancel(JobId(id), "chaos operator cancel"),
                 )
                 .await;
-                if matches!(r, Ok(Ok(()))) {
+                // Ok(_): `()` today, a `CancelOutcome` after the hardening.
+                if matches!(r, Ok(Ok(_))) {
                     cancelled.push(id);
                 }
             }

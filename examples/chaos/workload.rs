@@ -1,6 +1,8 @@
 //! The seeded workload: a mix of keyed and unkeyed jobs, hot keys, external effects,
 //! failures that retry, and bad input. Every enqueue is logged with its outcome
 //! (`ok` with the id, `info` when the outcome is unknown, `refused` for a typed error).
+//! The scenarios that need a shape rather than a mix (floods, chains, poison) are in
+//! [`crate::scenarios`].
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +14,7 @@ use serde_json::json;
 
 use crate::model::{now_us, EnqueueRecord, Jsonl};
 use crate::profile::Profile;
-use crate::worker::Work;
+use crate::kinds::Work;
 
 pub const UNKNOWN_KIND: &str = "no_such_kind";
 
@@ -25,9 +27,24 @@ pub struct Spec {
     pub max_attempts: i32,
     pub delay_ms: u64,
     pub expect: &'static str,
+    /// The scenario that made it (see [`crate::scenarios`]).
+    pub scenario: Option<&'static str>,
 }
 
 impl Spec {
+    pub fn new(cid: u64, kind: &str, payload: serde_json::Value, expect: &'static str) -> Spec {
+        Spec {
+            cid,
+            kind: kind.into(),
+            key: None,
+            payload,
+            max_attempts: 12,
+            delay_ms: 0,
+            expect,
+            scenario: None,
+        }
+    }
+
     fn job(&self) -> NewJob {
         let mut j = NewJob::from_json(self.kind.clone(), self.payload.clone())
             .with_max_attempts(self.max_attempts);
@@ -51,18 +68,19 @@ impl Spec {
             expect: self.expect.into(),
             max_attempts: self.max_attempts,
             t_us: now_us(),
+            scenario: self.scenario.map(str::to_string),
         }
     }
 }
 
-fn work(cid: u64) -> Work {
+pub fn work(cid: u64) -> Work {
     Work {
         cid,
         ..Default::default()
     }
 }
 
-fn to_json(w: &Work) -> serde_json::Value {
+pub fn to_json(w: &Work) -> serde_json::Value {
     serde_json::to_value(w).unwrap()
 }
 
@@ -79,13 +97,13 @@ impl Generator {
         }
     }
 
-    fn cid(&mut self) -> u64 {
+    pub fn cid(&mut self) -> u64 {
         let c = self.next_cid;
         self.next_cid += 1;
         c
     }
 
-    fn key(&self, rng: &mut StdRng) -> String {
+    pub fn key(&self, rng: &mut StdRng) -> String {
         let p = &self.profile;
         if rng.gen_bool(0.3) {
             format!("hot-{}", rng.gen_range(0..p.hot_keys))
@@ -108,6 +126,7 @@ impl Generator {
                 max_attempts: 12,
                 delay_ms: 0,
                 expect: "dead",
+                scenario: None,
             });
             let cid = self.cid();
             out.push(Spec {
@@ -118,6 +137,7 @@ impl Generator {
                 max_attempts: 12,
                 delay_ms: 0,
                 expect: "unknown_kind",
+                scenario: None,
             });
             let cid = self.cid();
             let mut w = work(cid);
@@ -130,6 +150,7 @@ impl Generator {
                 max_attempts: 3,
                 delay_ms: 0,
                 expect: if i % 2 == 0 { "done" } else { "dead" },
+                scenario: None,
             });
             let cid = self.cid();
             let mut w = work(cid);
@@ -142,6 +163,7 @@ impl Generator {
                 max_attempts: 12,
                 delay_ms: 0,
                 expect: "done",
+                scenario: None,
             });
             let cid = self.cid();
             let mut w = work(cid);
@@ -155,6 +177,7 @@ impl Generator {
                 max_attempts: 12,
                 delay_ms: 0,
                 expect: "dead",
+                scenario: None,
             });
         }
         out
@@ -172,6 +195,7 @@ impl Generator {
             max_attempts: 12,
             delay_ms: 0,
             expect: "refused",
+            scenario: None,
         }
     }
 
@@ -187,6 +211,7 @@ impl Generator {
             max_attempts: 12,
             delay_ms: 0,
             expect: "probe",
+            scenario: None,
         }
     }
 
@@ -204,6 +229,7 @@ impl Generator {
             max_attempts: 12,
             delay_ms: 0,
             expect: "done",
+            scenario: None,
         };
         match roll {
             0..=349 => {

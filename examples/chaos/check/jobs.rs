@@ -37,6 +37,13 @@ pub fn enqueues(c: &Input, f: &mut Findings, s: &mut Stats) {
                 ),
             ),
             ("info", Some(_)) => s.recovered += 1,
+            ("rolled_back", Some(j)) => f.add(
+                "unexpected",
+                format!(
+                    "cid {}: enqueued in a host transaction that rolled back, yet job {} exists",
+                    r.cid, j.id
+                ),
+            ),
             ("refused", Some(j)) => f.add(
                 "bad_input",
                 format!(
@@ -67,7 +74,8 @@ pub fn enqueues(c: &Input, f: &mut Findings, s: &mut Stats) {
             );
         }
         match j.state.as_str() {
-            "done" | "held" => {}
+            // Running after the drain is `orphan_running` (check::retention).
+            "done" | "held" | "running" => {}
             "dead" | "cancelled" => {
                 if j.last_error.as_deref().map(str::is_empty).unwrap_or(true) {
                     f.add(
@@ -109,7 +117,7 @@ pub fn histories(c: &Input, f: &mut Findings, s: &mut Stats) {
             if let Some((pend, pjob, pg)) = latest {
                 if start < pend && pjob != job {
                     f.add(
-                        "key_overlap",
+                        "key_lease_overlap",
                         format!("key {k}: job {job} gen {g} claimed while job {pjob} gen {pg} held a live lease"),
                     );
                 }

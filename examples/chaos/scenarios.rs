@@ -1,0 +1,242 @@
+//! Workload scenarios: shapes of work the random mix would hit too rarely, each aimed at
+//! a defect class, on a seeded schedule through the fault phase.
+//!
+//! - `flood`: chains of quick keyed jobs, then a burst of long unkeyed jobs that fills
+//!   every slot of every worker. Keyed successors finish their predecessors while no
+//!   slot is free, so they wait for one (a successor claimed in the completion's
+//!   transaction waits in-process, and its lease must be renewed meanwhile).
+//! - `cancel_chain`: a long keyed head with quick successors, for the nemesis's
+//!   `cancel_running_head`.
+//! - `dead_head`: a keyed head that fails permanently, with successors behind it: the
+//!   key stays blocked by a dead job, which retention must keep.
+//! - `poison`: a result with a NUL (PostgreSQL cannot store it) or over the result cap,
+//!   enqueued in one batch with quick neighbours that must not suffer for it.
+//! - `deep`: a payload nested deeper than 128 levels, written with raw SQL (the enqueue
+//!   API refuses it once hardened), with neighbours in the same statement so one claim
+//!   takes them together.
+//! - `txhold`: a handler that completes in its own transaction and holds it open past
+//!   the lease on its first attempt.
+//!
+//! Client ids come from the harness's own counter (above the random mix's range).
+
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::Rng;
+use serde_json::json;
+use sqlx::Row;
+use tokio::time::Instant;
+
+use crate::harness::Harness;
+use crate::model::{now_us, EnqueueRecord};
+use crate::workload::{enqueue_batch, to_json, work, Spec};
+
+/// Nesting of the `deep` payloads: past serde_json's recursion limit of 128.
+pub const DEEP_NESTING: usize = 200;
+
+/// (scenario, first run at s, every s): the schedule, from the start of the fault phase.
+const SCHEDULE: [(&str, f64, f64); 6] = [
+    ("flood", 9.0, 19.0),
+    ("cancel_chain", 2.0, 2.5),
+    ("dead_head", 3.0, 3.0),
+    ("poison", 4.0, 5.0),
+    ("deep", 5.0, 7.0),
+    ("txhold", 6.0, 6.0),
+];
+
+/// Run the scenarios until `phase_end`.
+pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) {
+    let t0 = Instant::now();
+    let mut next: Vec<f64> = SCHEDULE.iter().map(|s| s.1).collect();
+    while Instant::now() < phase_end {
+        let now = t0.elapsed().as_secs_f64();
+        for (i, (name, _, every)) in SCHEDULE.iter().enumerate() {
+            if now < next[i] {
+                continue;
+            }
+            next[i] = now + every * rng.gen_range(0.8..1.2);
+            match *name {
+                "flood" => flood(&h, &mut rng).await,
+                "deep" => deep(&h, &mut rng).await,
+                other => {
+                    let specs = build(&h, other, &mut rng);
+                    enqueue_batch(&h.store, specs, &h.enqueue_log, &h.seen).await;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn cid(h: &Harness) -> u64 {
+    h.next_cid.fetch_add(1, SeqCst)
+}
+
+fn spec(h: &Harness, kind: &str, w: crate::kinds::Work, scenario: &'static str) -> Spec {
+    let mut s = Spec::new(w.cid, kind, to_json(&w), "done");
+    s.scenario = Some(scenario);
+    let _ = h;
+    s
+}
+
+/// A quick keyed job with one effect.
+fn quick(h: &Harness, key: &str, scenario: &'static str, rng: &mut StdRng) -> Spec {
+    let mut w = work(cid(h));
+    w.steps = 1;
+    w.sleep_ms = rng.gen_range(5..40);
+    let mut s = spec(h, "charge", w, scenario);
+    s.key = Some(key.to_string());
+    s
+}
+
+fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
+    let lease = h.profile.lease_ms as f64;
+    let n = h.next_cid.load(SeqCst);
+    match scenario {
+        "cancel_chain" => {
+            let key = format!("cx-{n}");
+            let mut w = work(cid(h));
+            w.steps = 1;
+            w.effects_last = rng.gen_bool(0.5);
+            w.sleep_ms = (lease * rng.gen_range(1.2..1.7)) as u64;
+            w.ignore_cancel = rng.gen_bool(0.4);
+            let mut head = spec(h, "slow", w, "cancel_chain");
+            head.key = Some(key.clone());
+            let mut out = vec![head];
+            out.extend((0..3).map(|_| quick(h, &key, "cancel_chain", rng)));
+            out
+        }
+        "dead_head" => {
+            let key = format!("dh-{n}");
+            let mut w = work(cid(h));
+            w.fail_first = 1;
+            w.permanent = true;
+            let mut head = spec(h, "flaky", w, "dead_head");
+            head.key = Some(key.clone());
+            head.expect = "dead";
+            let mut out = vec![head];
+            out.extend((0..2).map(|_| quick(h, &key, "dead_head", rng)));
+            out
+        }
+        "poison" => {
+            let mut w = work(cid(h));
+            w.poison = Some(if rng.gen_bool(0.5) { "nul" } else { "big" }.into());
+            let mut p = spec(h, "poison", w, "poison");
+            p.expect = "poison_result";
+            // Few attempts: a library that cannot contain the poison retries it.
+            p.max_attempts = 3;
+            let mut out = vec![p];
+            for _ in 0..3 {
+                let mut w = work(cid(h));
+                w.sleep_ms = rng.gen_range(0..20);
+                out.push(spec(h, "charge", w, "neighbour"));
+            }
+            out
+        }
+        "txhold" => {
+            let mut w = work(cid(h));
+            w.hold_ms = (lease * rng.gen_range(1.5..2.2)) as u64;
+            let mut t = spec(h, "txhold", w, "txhold");
+            let mut out = Vec::new();
+            if rng.gen_bool(0.5) {
+                let key = format!("tx-{n}");
+                t.key = Some(key.clone());
+                out.push(t);
+                out.push(quick(h, &key, "txhold", rng));
+            } else {
+                out.push(t);
+            }
+            out
+        }
+        other => unreachable!("no scenario {other}"),
+    }
+}
+
+/// Keyed chains, then long unkeyed jobs enough to fill every slot, in a few waves.
+async fn flood(h: &Arc<Harness>, rng: &mut StdRng) {
+    let n = h.next_cid.load(SeqCst);
+    let mut chains = Vec::new();
+    for c in 0..6 {
+        let key = format!("chain-{n}-{c}");
+        chains.extend((0..6).map(|_| quick(h, &key, "chain", rng)));
+    }
+    enqueue_batch(&h.store, chains, &h.enqueue_log, &h.seen).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let slots = h.profile.workers * h.profile.concurrency;
+    let total = slots + slots / 6;
+    for wave in 0..3 {
+        let long: Vec<Spec> = (0..total / 3 + (wave == 0) as usize * (total % 3))
+            .map(|_| {
+                let mut w = work(cid(h));
+                w.sleep_ms = rng.gen_range(3300..3900);
+                spec(h, "slow", w, "flood")
+            })
+            .collect();
+        enqueue_batch(&h.store, long, &h.enqueue_log, &h.seen).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `{"a": {"a": ... 1 ...}}`, `depth` objects deep.
+fn nested(depth: usize) -> serde_json::Value {
+    let mut v = json!(1);
+    for _ in 0..depth {
+        v = json!({ "a": v });
+    }
+    v
+}
+
+/// A deep payload and three neighbours, inserted by one raw statement with the column
+/// list of the library's enqueue, due together a moment later so one claim takes them.
+async fn deep(h: &Arc<Harness>, rng: &mut StdRng) {
+    let mut rows: Vec<(u64, serde_json::Value, i32, &'static str, &'static str)> = Vec::new();
+    let c = cid(h);
+    rows.push((c, json!({ "cid": c, "deep": nested(DEEP_NESTING) }), 3, "poison_payload", "deep"));
+    for _ in 0..3 {
+        let c = cid(h);
+        let sleep: u64 = rng.gen_range(0..20);
+        rows.push((c, json!({ "cid": c, "sleep_ms": sleep }), 12, "done", "neighbour"));
+    }
+    let payloads: Vec<serde_json::Value> = rows.iter().map(|r| r.1.clone()).collect();
+    let bytes: Vec<i32> = payloads
+        .iter()
+        .map(|p| serde_json::to_vec(p).map(|v| v.len() as i32).unwrap_or(0))
+        .collect();
+    let attempts: Vec<i32> = rows.iter().map(|r| r.2).collect();
+    // Columns as in the library's enqueue statement (src/store/enqueue.rs):
+    // queue, kind, job_key, key_seq, priority, state, payload, payload_bytes,
+    // max_attempts, available_at, dead_blocks_key.
+    let sql = "INSERT INTO leasehold.jobs (queue, kind, job_key, key_seq, priority, state, payload, \
+               payload_bytes, max_attempts, available_at, dead_blocks_key) \
+               SELECT 'default', 'charge', NULL, NULL, 0, 'pending', p, b, m, \
+                      now() + interval '300 milliseconds', true \
+               FROM unnest($1::jsonb[], $2::int4[], $3::int4[]) WITH ORDINALITY AS t(p, b, m, ord) \
+               ORDER BY ord RETURNING id";
+    let inserted = sqlx::query(sql)
+        .bind(&payloads)
+        .bind(&bytes)
+        .bind(&attempts)
+        .fetch_all(&h.admin)
+        .await;
+    let ids: Vec<Option<i64>> = match &inserted {
+        Ok(r) => r.iter().map(|row| row.try_get::<i64, _>(0).ok()).collect(),
+        Err(_) => vec![None; rows.len()],
+    };
+    let mut log = h.enqueue_log.lock().unwrap();
+    for (r, id) in rows.iter().zip(ids) {
+        log.write(&EnqueueRecord {
+            cid: r.0,
+            kind: "charge".into(),
+            key: None,
+            status: if inserted.is_ok() { "ok" } else { "info" }.into(),
+            id,
+            error: inserted.as_ref().err().map(|e| e.to_string()),
+            expect: r.3.into(),
+            max_attempts: r.2,
+            t_us: now_us(),
+            scenario: Some(r.4.into()),
+        });
+    }
+}
