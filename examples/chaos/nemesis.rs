@@ -113,7 +113,7 @@ pub fn plan(rng: &mut StdRng, lease_ms: u64, gap: (u64, u64), len: usize) -> Vec
                 "host_enqueue_commit" | "host_enqueue_rollback" => {
                     ((lease * rng.gen_range(1.5..2.5)) as u64, 0)
                 }
-                "cancel_running_head" => (0, rng.gen_range(1..=2)),
+                "cancel_running_head" => (0, rng.gen_range(1..=3)),
                 "pg_terminate_worker" => (0, rng.gen_range(1..4)),
                 "proxy_cut" => (0, rng.gen_bool(0.3) as u64),
                 _ => (0, 0),

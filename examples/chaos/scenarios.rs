@@ -1,12 +1,17 @@
 //! Workload scenarios: shapes of work the random mix would hit too rarely, each aimed at
 //! a defect class, on a seeded schedule through the fault phase.
 //!
-//! - `flood`: chains of quick keyed jobs, then a burst of long unkeyed jobs that fills
-//!   every slot of every worker. Keyed successors finish their predecessors while no
-//!   slot is free, so they wait for one (a successor claimed in the completion's
-//!   transaction waits in-process, and its lease must be renewed meanwhile).
+//! - `flood`: chains of quick keyed jobs, and more long unkeyed jobs than there are
+//!   slots, due all at once a moment later, while the chains run. The long jobs are
+//!   delayed, not enqueued then, so no NOTIFY announces them: the claim that finds them
+//!   is the next poll, which reserves every free slot. A chain's job that returned just
+//!   before, with a slot to spare, has its successor claimed in its completion's
+//!   transaction; that successor then finds no slot and waits in-process for one —
+//!   for as long as a long job runs, past the lease. Its lease must be renewed
+//!   meanwhile, and it must not start on a lease that is gone.
 //! - `cancel_chain`: a long keyed head with quick successors, for the nemesis's
-//!   `cancel_running_head`.
+//!   `cancel_running_head`. First in claim order (priority -1), so that once the key
+//!   moves on its next job starts at once, not behind the backlog.
 //! - `dead_head`: a keyed head that fails permanently, with successors behind it: the
 //!   key stays blocked by a dead job, which retention must keep.
 //! - `poison`: a result with a NUL (PostgreSQL cannot store it) or over the result cap,
@@ -38,7 +43,7 @@ pub const DEEP_NESTING: usize = 200;
 
 /// (scenario, first run at s, every s): the schedule, from the start of the fault phase.
 const SCHEDULE: [(&str, f64, f64); 6] = [
-    ("flood", 9.0, 19.0),
+    ("flood", 9.0, 26.0),
     ("cancel_chain", 2.0, 2.5),
     ("dead_head", 3.0, 3.0),
     ("poison", 4.0, 5.0),
@@ -106,6 +111,9 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
             head.key = Some(key.clone());
             let mut out = vec![head];
             out.extend((0..3).map(|_| quick(h, &key, "cancel_chain", rng)));
+            for s in &mut out {
+                s.priority = -1;
+            }
             out
         }
         "dead_head" => {
@@ -137,7 +145,9 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
         }
         "txhold" => {
             let mut w = work(cid(h));
-            w.hold_ms = (lease * rng.gen_range(1.5..2.2)) as u64;
+            // Past the lease, well within the max run time (whose abort could land
+            // between the commit and the handler's last line).
+            w.hold_ms = (lease * rng.gen_range(1.3..1.8)) as u64;
             let mut t = spec(h, "txhold", w, "txhold");
             let mut out = Vec::new();
             if rng.gen_bool(0.5) {
@@ -154,29 +164,28 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
     }
 }
 
-/// Keyed chains, then long unkeyed jobs enough to fill every slot, in a few waves.
+/// Keyed chains, and long unkeyed jobs (a quarter more than the slots) due together
+/// while they run.
 async fn flood(h: &Arc<Harness>, rng: &mut StdRng) {
     let n = h.next_cid.load(SeqCst);
-    let mut chains = Vec::new();
-    for c in 0..6 {
+    let mut batch = Vec::new();
+    for c in 0..h.profile.workers * 2 {
         let key = format!("chain-{n}-{c}");
-        chains.extend((0..6).map(|_| quick(h, &key, "chain", rng)));
+        batch.extend((0..20).map(|_| {
+            let mut s = quick(h, &key, "chain", rng);
+            s.payload["steps"] = json!(0);
+            s
+        }));
     }
-    enqueue_batch(&h.store, chains, &h.enqueue_log, &h.seen).await;
-    tokio::time::sleep(Duration::from_millis(150)).await;
     let slots = h.profile.workers * h.profile.concurrency;
-    let total = slots + slots / 6;
-    for wave in 0..3 {
-        let long: Vec<Spec> = (0..total / 3 + (wave == 0) as usize * (total % 3))
-            .map(|_| {
-                let mut w = work(cid(h));
-                w.sleep_ms = rng.gen_range(3300..3900);
-                spec(h, "slow", w, "flood")
-            })
-            .collect();
-        enqueue_batch(&h.store, long, &h.enqueue_log, &h.seen).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    batch.extend((0..slots + slots / 4).map(|_| {
+        let mut w = work(cid(h));
+        w.sleep_ms = rng.gen_range(3300..3900);
+        let mut s = spec(h, "slow", w, "flood");
+        s.delay_ms = 400;
+        s
+    }));
+    enqueue_batch(&h.store, batch, &h.enqueue_log, &h.seen).await;
 }
 
 /// `{"a": {"a": ... 1 ...}}`, `depth` objects deep.

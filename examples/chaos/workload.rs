@@ -26,6 +26,8 @@ pub struct Spec {
     pub payload: serde_json::Value,
     pub max_attempts: i32,
     pub delay_ms: u64,
+    /// Claim order: lower first (0 unless a scenario says otherwise).
+    pub priority: i16,
     pub expect: &'static str,
     /// The scenario that made it (see [`crate::scenarios`]).
     pub scenario: Option<&'static str>,
@@ -40,6 +42,7 @@ impl Spec {
             payload,
             max_attempts: 12,
             delay_ms: 0,
+            priority: 0,
             expect,
             scenario: None,
         }
@@ -53,6 +56,9 @@ impl Spec {
         }
         if self.delay_ms > 0 {
             j = j.with_delay(Duration::from_millis(self.delay_ms));
+        }
+        if self.priority != 0 {
+            j = j.with_priority(self.priority);
         }
         j
     }
@@ -125,6 +131,7 @@ impl Generator {
                 payload: json!({ "cid": cid, "amount": "lots" }),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "dead",
                 scenario: None,
             });
@@ -136,6 +143,7 @@ impl Generator {
                 payload: json!({ "cid": cid }),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "unknown_kind",
                 scenario: None,
             });
@@ -149,6 +157,7 @@ impl Generator {
                 payload: to_json(&w),
                 max_attempts: 3,
                 delay_ms: 0,
+                priority: 0,
                 expect: if i % 2 == 0 { "done" } else { "dead" },
                 scenario: None,
             });
@@ -162,6 +171,7 @@ impl Generator {
                 payload: to_json(&w),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "done",
                 scenario: None,
             });
@@ -176,6 +186,7 @@ impl Generator {
                 payload: to_json(&w),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "dead",
                 scenario: None,
             });
@@ -194,6 +205,7 @@ impl Generator {
             payload: to_json(&w),
             max_attempts: 12,
             delay_ms: 0,
+            priority: 0,
             expect: "refused",
             scenario: None,
         }
@@ -210,6 +222,7 @@ impl Generator {
             payload: to_json(&w),
             max_attempts: 12,
             delay_ms: 0,
+            priority: 0,
             expect: "probe",
             scenario: None,
         }
@@ -228,6 +241,7 @@ impl Generator {
             payload: json!(null),
             max_attempts: 12,
             delay_ms: 0,
+            priority: 0,
             expect: "done",
             scenario: None,
         };

@@ -349,7 +349,10 @@ fn reaped(c: &Input, job_id: i64, e: &Event, open: Option<(i64, i64)>, f: &mut F
 pub fn results(c: &Input, f: &mut Findings, s: &mut Stats) {
     let mut ended_ok: HashSet<(i64, i64)> = HashSet::new();
     for l in &c.history {
-        if l.ev == "end" && l.outcome == "ok" {
+        // A txhold handler completes in its own transaction: its commit may land just
+        // before its future is dropped (the max run time's abort), with no line after.
+        let committed_then_dropped = l.kind == "txhold" && l.outcome == "dropped";
+        if l.ev == "end" && (l.outcome == "ok" || committed_then_dropped) {
             ended_ok.insert((l.job, l.generation));
         }
         s.ledger_reused += l.ledger_hits as u64;

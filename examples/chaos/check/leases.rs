@@ -91,11 +91,11 @@ pub fn expiries(c: &Input, f: &mut Findings, s: &mut Stats) {
             f.add(
                 "lease_lost_while_healthy",
                 format!(
-                    "job {} gen {}: lease of {} (w{:?}) expired at {} with no fault on it or the database",
+                    "job {} gen {}: lease of {} ({}) expired at {} with no fault on it or the database",
                     x.job_id,
                     x.generation,
                     x.owner,
-                    who.map(|w| w.0),
+                    who.map(|w| format!("w{}.{}", w.0, w.1)).unwrap_or_default(),
                     x.lease_until_us
                 ),
             );

@@ -121,10 +121,15 @@ pub fn render(c: &Input, f: &Findings, s: &Stats) -> Report {
         "violations: {}",
         pairs(INVARIANTS.iter().map(|(k, _)| (k, f.count(k))))
     );
+    // CHAOS_WITNESSES=n prints more witnesses per invariant (8 by default).
+    let shown = std::env::var("CHAOS_WITNESSES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
     for (inv, what) in INVARIANTS {
         if let Some(w) = f.witnesses(inv) {
             let _ = writeln!(t, "  {inv} ({what}): {}", w.len());
-            for line in w.iter().take(8) {
+            for line in w.iter().take(shown) {
                 let _ = writeln!(t, "    - {line}");
             }
         }
