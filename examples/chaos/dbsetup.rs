@@ -15,6 +15,13 @@
 //! deleted, into `chaos_audit.*`. They observe; they change nothing the library sees.
 //! The checker reads live and deleted rows together, and judges what retention deleted
 //! (a dead job is the dead-letter queue: deleting one is a violation).
+//!
+//! # Audit of leases
+//! The database keeps only a running job's latest `lease_until`. A row trigger records
+//! every value a running job's lease takes (claim, renewal), with the time it was
+//! written, in `chaos_audit.leases`, so the checker knows which lease was in force when
+//! a handler started (a successor waiting in-process unrenewed has a lease that ran
+//! out, reaped or not).
 
 use std::time::Duration;
 
@@ -93,6 +100,23 @@ pub async fn install_audit(admin: &PgPool) -> Result<(), String> {
              REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION chaos_audit.keep_{t}()"
         ));
     }
+    stmts.push(
+        "CREATE TABLE chaos_audit.leases (job_id bigint NOT NULL, generation bigint NOT NULL, \
+         lease_until timestamptz NOT NULL, written_at timestamptz NOT NULL)"
+            .into(),
+    );
+    stmts.push(
+        "CREATE FUNCTION chaos_audit.keep_lease() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN INSERT INTO chaos_audit.leases VALUES (NEW.id, NEW.generation, NEW.lease_until, clock_timestamp()); \
+         RETURN NULL; END $$"
+            .into(),
+    );
+    stmts.push(
+        "CREATE TRIGGER chaos_keep_lease AFTER UPDATE ON leasehold.jobs FOR EACH ROW \
+         WHEN (NEW.state = 'running' AND NEW.lease_until IS DISTINCT FROM OLD.lease_until) \
+         EXECUTE FUNCTION chaos_audit.keep_lease()"
+            .into(),
+    );
     for sql in stmts {
         sqlx::query(&sql)
             .execute(admin)

@@ -149,6 +149,14 @@ pub async fn dump(admin: &PgPool, out: &Path) -> Result<(), String> {
             ),
         ),
         (
+            "leases",
+            format!(
+                "SELECT job_id, generation, {}, {} FROM chaos_audit.leases ORDER BY written_at",
+                us("lease_until"),
+                us("written_at")
+            ),
+        ),
+        (
             "job_keys",
             format!(
                 "SELECT queue, job_key, next_seq, open_jobs, {} FROM {} k ORDER BY deleted_at NULLS LAST",

@@ -1,13 +1,13 @@
 //! Workload scenarios: shapes of work the random mix would hit too rarely, each aimed at
 //! a defect class, on a seeded schedule through the fault phase.
 //!
-//! - `flood`: chains of quick keyed jobs, and more long unkeyed jobs than there are
-//!   slots, due all at once a moment later, while the chains run. The long jobs are
-//!   delayed, not enqueued then, so no NOTIFY announces them: the claim that finds them
-//!   is the next poll, which reserves every free slot. A chain's job that returned just
-//!   before, with a slot to spare, has its successor claimed in its completion's
-//!   transaction; that successor then finds no slot and waits in-process for one —
-//!   for as long as a long job runs, past the lease. Its lease must be renewed
+//! - `flood`: more long unkeyed jobs than there are slots, due all at once a moment
+//!   after their enqueue, and chains of instant keyed jobs running when they fall due.
+//!   The first claim after that reserves every free slot and fills it with long jobs;
+//!   a chain whose job had just returned, with a slot to spare, has its successor
+//!   claimed in its completion's transaction, and that successor then finds no slot
+//!   and waits in-process for one — as long as a long job runs, past the lease, when no
+//!   short job is left on that worker to free a slot. Its lease must be renewed
 //!   meanwhile, and it must not start on a lease that is gone.
 //! - `cancel_chain`: a long keyed head with quick successors, for the nemesis's
 //!   `cancel_running_head`. First in claim order (priority -1), so that once the key
@@ -164,29 +164,40 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
     }
 }
 
-/// Keyed chains, and long unkeyed jobs (a quarter more than the slots) due together
-/// while they run.
+/// Long unkeyed jobs (a quarter more than the slots), due in a moment; then keyed
+/// chains of instant jobs that are running when they fall due.
 async fn flood(h: &Arc<Harness>, rng: &mut StdRng) {
     let n = h.next_cid.load(SeqCst);
-    let mut batch = Vec::new();
+    let slots = h.profile.workers * h.profile.concurrency;
+    let long: Vec<Spec> = (0..slots + slots / 4)
+        .map(|_| {
+            let mut w = work(cid(h));
+            w.sleep_ms = rng.gen_range(3300..3900);
+            let mut s = spec(h, "slow", w, "flood");
+            s.delay_ms = FLOOD_DUE_MS;
+            s
+        })
+        .collect();
+    enqueue_batch(&h.store, long, &h.enqueue_log, &h.seen).await;
+    tokio::time::sleep(Duration::from_millis(FLOOD_DUE_MS - 100)).await;
+    // Instant jobs (no sleep, no effect): a chain spends nearly all its time between a
+    // handler's return and its completion's reply, the window in which a successor is
+    // claimed and then finds its slot taken.
+    let mut chains = Vec::new();
     for c in 0..h.profile.workers * 2 {
         let key = format!("chain-{n}-{c}");
-        batch.extend((0..20).map(|_| {
+        chains.extend((0..40).map(|_| {
             let mut s = quick(h, &key, "chain", rng);
             s.payload["steps"] = json!(0);
+            s.payload["sleep_ms"] = json!(0);
             s
         }));
     }
-    let slots = h.profile.workers * h.profile.concurrency;
-    batch.extend((0..slots + slots / 4).map(|_| {
-        let mut w = work(cid(h));
-        w.sleep_ms = rng.gen_range(3300..3900);
-        let mut s = spec(h, "slow", w, "flood");
-        s.delay_ms = 400;
-        s
-    }));
-    enqueue_batch(&h.store, batch, &h.enqueue_log, &h.seen).await;
+    enqueue_batch(&h.store, chains, &h.enqueue_log, &h.seen).await;
 }
+
+/// When the flood's long jobs fall due, after their enqueue.
+const FLOOD_DUE_MS: u64 = 400;
 
 /// `{"a": {"a": ... 1 ...}}`, `depth` objects deep.
 fn nested(depth: usize) -> serde_json::Value {

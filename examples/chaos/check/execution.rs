@@ -20,8 +20,9 @@
 //!   within [`zombie_grace_ns`] of the process resuming (its lease is gone; it must
 //!   stop as soon as it runs again).
 //! - `key_start_order`: a key's jobs first start in `key_seq` order (per key epoch).
-//! - `start_without_lease`: no handler starts after its generation's lease ended (the
-//!   reaped `lease_until`) or after the generation was released, cancelled, failed or
+//! - `start_without_lease`: no handler starts after the lease in force for its
+//!   generation ran out (the furthest `lease_until` written by then, from the lease
+//!   audit; reaped or not), or after the generation was released, cancelled, failed or
 //!   completed, and none starts for a generation the database never claimed.
 //! - `stale_effect`: no attempt calls the effect server after a newer generation of its
 //!   job started.
@@ -269,6 +270,14 @@ fn generation_ends(c: &Input) -> HashMap<(i64, i64), (i64, String)> {
 
 fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings) {
     let ends = generation_ends(c);
+    // (job, generation) → (written at, lease until), in write order.
+    let mut leases: HashMap<(i64, i64), Vec<(i64, i64)>> = HashMap::new();
+    for l in &c.leases {
+        leases
+            .entry((l.job_id, l.generation))
+            .or_default()
+            .push((l.written_at_us, l.lease_until_us));
+    }
     let claimed: std::collections::HashSet<(i64, i64)> = c
         .events
         .iter()
@@ -282,6 +291,27 @@ fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings) {
                 format!("{} started, but the database never claimed that generation", a.who()),
             );
             continue;
+        }
+        // The lease in force at the start: the furthest deadline written by then.
+        let in_force = leases.get(&(a.job, a.gen)).and_then(|ws| {
+            ws.iter()
+                .filter(|(at, _)| *at <= a.start_us + DB_CLOCK_BOUND_US)
+                .map(|(_, until)| *until)
+                .max()
+        });
+        if let Some(until) = in_force {
+            if a.start_us > until + DB_CLOCK_BOUND_US {
+                f.add(
+                    "start_without_lease",
+                    format!(
+                        "{} started {}ms after its lease ran out (never renewed past it) ({})",
+                        a.who(),
+                        (a.start_us - until) / 1000,
+                        a.key.as_deref().unwrap_or("unkeyed")
+                    ),
+                );
+                continue;
+            }
         }
         if let Some((at, what)) = ends.get(&(a.job, a.gen)) {
             if a.start_us > at + DB_CLOCK_BOUND_US {

@@ -63,6 +63,15 @@ pub struct KeyRow {
     pub deleted_at_us: Option<i64>,
 }
 
+/// A row of `db/leases.jsonl`: a value a running job's lease took (claim or renewal).
+#[derive(Debug, Default, Deserialize)]
+pub struct LeaseWrite {
+    pub job_id: i64,
+    pub generation: i64,
+    pub lease_until_us: i64,
+    pub written_at_us: i64,
+}
+
 /// A row of `db/lease_expiries.jsonl`.
 #[derive(Debug, Default, Deserialize)]
 pub struct Expiry {
@@ -93,6 +102,7 @@ pub struct Input {
     pub events: Vec<Event>,
     pub expiries: Vec<Expiry>,
     pub ledger: Vec<Ledger>,
+    pub leases: Vec<LeaseWrite>,
     pub operator: Vec<OperatorRecord>,
     pub history: Vec<HistoryLine>,
     /// Worker counters summed over every incarnation's last snapshot.
@@ -123,6 +133,7 @@ pub struct Parts {
     pub events: Vec<Event>,
     pub expiries: Vec<Expiry>,
     pub ledger: Vec<Ledger>,
+    pub leases: Vec<LeaseWrite>,
     pub keys: Vec<KeyRow>,
     pub operator: Vec<OperatorRecord>,
     pub history: Vec<HistoryLine>,
@@ -233,6 +244,11 @@ impl Input {
             events: load(dir, "db/job_events.jsonl")?,
             expiries: load(dir, "db/lease_expiries.jsonl")?,
             ledger: load(dir, "db/effects.jsonl")?,
+            leases: if optional("db/leases.jsonl") {
+                load(dir, "db/leases.jsonl")?
+            } else {
+                Vec::new()
+            },
             keys: if optional("db/job_keys.jsonl") {
                 load(dir, "db/job_keys.jsonl")?
             } else {
@@ -274,6 +290,7 @@ impl Input {
             events: p.events,
             expiries: p.expiries,
             ledger: p.ledger,
+            leases: p.leases,
             operator: p.operator,
             history: p.history,
             metrics: p.metrics,

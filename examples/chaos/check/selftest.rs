@@ -5,7 +5,7 @@
 //!
 //! Times are written in milliseconds from an arbitrary origin, on both clocks.
 
-use super::input::{Event, Expiry, Input, Job, KeyRow, Parts};
+use super::input::{Event, Expiry, Input, Job, KeyRow, LeaseWrite, Parts};
 use super::{execution, leases, poison, retention, Findings, Stats};
 use crate::model::{ClockInfo, EnqueueRecord, FaultRecord, HistoryLine, ProcessRecord, RunInfo};
 
@@ -298,6 +298,33 @@ fn start_without_lease() -> Result<(), String> {
     expect("start_without_lease", build(2600), build(1500))
 }
 
+/// A claimed job that waits (unrenewed) past its lease and then starts, not reaped yet.
+fn start_after_lease_ran_out() -> Result<(), String> {
+    let build = |renewed: bool| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.event(1, 1, "claimed", 0, "owner-w0");
+        s.0.leases.push(LeaseWrite {
+            job_id: 1,
+            generation: 1,
+            lease_until_us: us(2000),
+            written_at_us: us(0),
+        });
+        if renewed {
+            s.0.leases.push(LeaseWrite {
+                job_id: 1,
+                generation: 1,
+                lease_until_us: us(3500),
+                written_at_us: us(1500),
+            });
+        }
+        s.line("start", 0, 1, 1, Some("k"), 2300);
+        s.line("end", 0, 1, 1, Some("k"), 2310);
+        s.run(execution::check)
+    };
+    expect("start_without_lease", build(false), build(true))
+}
+
 fn start_after_release() -> Result<(), String> {
     let build = |start: i64| {
         let mut s = Synth::new();
@@ -482,7 +509,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 21] = [
+pub const CASES: [Case; 22] = [
     ("key_overlap", key_overlap),
     ("cancelled_head_overlaps", cancelled_head_overlaps),
     ("job_generations_overlap", job_generations_overlap),
@@ -491,6 +518,7 @@ pub const CASES: [Case; 21] = [
     ("key_start_order", key_start_order),
     ("key_epochs", key_epochs),
     ("start_without_lease", start_without_lease),
+    ("start_after_lease_ran_out", start_after_lease_ran_out),
     ("start_after_release", start_after_release),
     ("stale_effect", stale_effect),
     ("clock_bound", clock_bound),
