@@ -115,11 +115,7 @@ impl Attempt {
 
 impl Drop for Attempt {
     fn drop(&mut self) {
-        let ending = self
-            .ending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let ending = self.ending.lock().unwrap_or_else(|p| p.into_inner()).take();
         let (outcome, hits, detail) = ending.unwrap_or_else(|| {
             let why = if std::thread::panicking() {
                 "panicked"

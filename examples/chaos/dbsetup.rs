@@ -132,12 +132,11 @@ const GOOD_RTT_US: i64 = 2_000;
 /// One sample of the database's clock against ours: (offset µs, round trip µs).
 async fn sample(admin: &PgPool) -> Option<(i64, i64)> {
     let before = now_us();
-    let db: i64 = sqlx::query_scalar(
-        "SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint",
-    )
-    .fetch_one(admin)
-    .await
-    .ok()?;
+    let db: i64 =
+        sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::bigint")
+            .fetch_one(admin)
+            .await
+            .ok()?;
     let after = now_us();
     Some((db - (before + after) / 2, after - before))
 }

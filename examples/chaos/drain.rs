@@ -8,12 +8,13 @@ use std::time::Duration;
 use sqlx::{PgPool, Row};
 
 use crate::harness::Harness;
-use crate::model::RunInfo;
 use crate::kinds::KINDS;
+use crate::model::RunInfo;
 
 /// Open jobs that something can still move: pending, running or held, or waiting behind
 /// a head that exists (pending, running, held, or dead for the operator to unblock).
-const MOVABLE: &str = "SELECT count(*) FROM leasehold.jobs j WHERE j.state IN ('pending', 'running', 'held') \
+const MOVABLE: &str =
+    "SELECT count(*) FROM leasehold.jobs j WHERE j.state IN ('pending', 'running', 'held') \
      OR (j.state = 'waiting' AND EXISTS (SELECT 1 FROM leasehold.jobs h WHERE h.queue = j.queue \
          AND h.job_key = j.job_key AND h.state IN ('pending', 'running', 'held', 'dead')))";
 

@@ -193,7 +193,9 @@ impl Shared {
             Ok(other) => {
                 let _ = tx.rollback().await;
                 at.finish("stale", 0, format!("complete_in: {other:?}"));
-                return Err(JobError::retry("txhold: this attempt no longer owns the job"));
+                return Err(JobError::retry(
+                    "txhold: this attempt no longer owns the job",
+                ));
             }
             Err(e) => return failed(e.message().to_string()),
         }
@@ -226,7 +228,11 @@ impl Shared {
             Some("nul") => result["text"] = serde_json::json!("before\u{0}after"),
             _ => result["blob"] = serde_json::json!("r".repeat(self.max_result_bytes + 4096)),
         }
-        at.finish("ok", 0, format!("returned a poisoned result ({:?})", w.poison));
+        at.finish(
+            "ok",
+            0,
+            format!("returned a poisoned result ({:?})", w.poison),
+        );
         Ok(result)
     }
 }

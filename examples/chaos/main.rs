@@ -48,7 +48,9 @@ fn main() {
         Some(p @ ("short" | "long")) => harness::main(p, &args[1..]),
         None => harness::main("short", &[]),
         Some(other) => {
-            eprintln!("chaos: unknown command {other:?}; use short, long, check, selftest or worker");
+            eprintln!(
+                "chaos: unknown command {other:?}; use short, long, check, selftest or worker"
+            );
             std::process::exit(2)
         }
     }

@@ -47,7 +47,7 @@ pub const FAULTS: [(&str, u32); 19] = [
     ("row_lock", 6),
     ("host_enqueue_commit", 4),
     ("host_enqueue_rollback", 3),
-    ("cancel_running_head", 7),
+    ("cancel_running_head", 10),
 ];
 
 /// When a fault began, on both clocks.
@@ -109,7 +109,10 @@ pub fn plan(rng: &mut StdRng, lease_ms: u64, gap: (u64, u64), len: usize) -> Vec
                 "manual_cancel" => (0, 3),
                 // Held past the lease: a renewal that waits on the lock loses every
                 // lease of its process.
-                "row_lock" => ((lease * rng.gen_range(1.5..2.5)) as u64, rng.gen_range(1..=2)),
+                "row_lock" => (
+                    (lease * rng.gen_range(1.5..2.5)) as u64,
+                    rng.gen_range(1..=2),
+                ),
                 "host_enqueue_commit" | "host_enqueue_rollback" => {
                     ((lease * rng.gen_range(1.5..2.5)) as u64, 0)
                 }
@@ -173,7 +176,11 @@ pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) -> Vec<Jo
 }
 
 pub fn record(h: &Harness, kind: &str, target: String, start: Start, hit: bool, detail: String) {
-    record_with(h, start, FaultRecord::new(kind, target, start.us, hit, detail));
+    record_with(
+        h,
+        start,
+        FaultRecord::new(kind, target, start.us, hit, detail),
+    );
 }
 
 /// Record a fault built by the caller (with the jobs or key it acted on).
@@ -326,7 +333,14 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                     "every renewer, {}ms (lease {}ms); {held} renewer connection(s) held open, {closed} closed while held",
                     p.dur_ms, h.profile.lease_ms
                 );
-                record(&h, p.kind, "all".into(), start, held > 0 && closed == 0, detail);
+                record(
+                    &h,
+                    p.kind,
+                    "all".into(),
+                    start,
+                    held > 0 && closed == 0,
+                    detail,
+                );
             }))
         }
         "sigstop" | "proxy_blackhole" | "proxy_blackhole_renewer" | "proxy_delay" => {
@@ -475,7 +489,7 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
         }
         "reaper_race" => {
             let _g = h.pg_lock.lock().await;
-            let owner = OwnerId::named("chaos-reaper-race");
+            let owner = OwnerId::named(crate::check::RACE_REAPER);
             let prof = &h.profile;
             let backoff = leasehold::Backoff {
                 base: Duration::from_millis(prof.backoff_base_ms),

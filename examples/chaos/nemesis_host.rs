@@ -188,7 +188,8 @@ async fn cancel_running_head(h: &Arc<Harness>, p: &Planned) {
     for id in heads {
         let r = tokio::time::timeout(
             Duration::from_secs(5),
-            h.store.cancel(JobId(id), "chaos operator cancels a running head"),
+            h.store
+                .cancel(JobId(id), "chaos operator cancels a running head"),
         )
         .await;
         match r {

@@ -24,8 +24,7 @@ pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     while Instant::now() < phase_end {
         let pruned =
-            tokio::time::timeout(Duration::from_secs(5), h.store.prune(Duration::ZERO, 1000))
-                .await;
+            tokio::time::timeout(Duration::from_secs(5), h.store.prune(Duration::ZERO, 1000)).await;
         let (ok, n, detail) = match pruned {
             Ok(Ok(r)) => (true, r.jobs, format!("{r:?}")),
             Ok(Err(e)) => (false, 0, e.to_string()),
@@ -40,8 +39,8 @@ pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) {
         .await
         .unwrap_or_default();
         for id in dead {
-            let r = tokio::time::timeout(Duration::from_secs(5), h.store.retry_dead(JobId(id)))
-                .await;
+            let r =
+                tokio::time::timeout(Duration::from_secs(5), h.store.retry_dead(JobId(id))).await;
             let (ok, detail) = match r {
                 Ok(Ok(())) => (true, String::new()),
                 Ok(Err(e)) => (false, e.to_string()),

@@ -213,11 +213,23 @@ fn nested(depth: usize) -> serde_json::Value {
 async fn deep(h: &Arc<Harness>, rng: &mut StdRng) {
     let mut rows: Vec<(u64, serde_json::Value, i32, &'static str, &'static str)> = Vec::new();
     let c = cid(h);
-    rows.push((c, json!({ "cid": c, "deep": nested(DEEP_NESTING) }), 3, "poison_payload", "deep"));
+    rows.push((
+        c,
+        json!({ "cid": c, "deep": nested(DEEP_NESTING) }),
+        3,
+        "poison_payload",
+        "deep",
+    ));
     for _ in 0..3 {
         let c = cid(h);
         let sleep: u64 = rng.gen_range(0..20);
-        rows.push((c, json!({ "cid": c, "sleep_ms": sleep }), 12, "done", "neighbour"));
+        rows.push((
+            c,
+            json!({ "cid": c, "sleep_ms": sleep }),
+            12,
+            "done",
+            "neighbour",
+        ));
     }
     let payloads: Vec<serde_json::Value> = rows.iter().map(|r| r.1.clone()).collect();
     let bytes: Vec<i32> = payloads
@@ -228,7 +240,8 @@ async fn deep(h: &Arc<Harness>, rng: &mut StdRng) {
     // Columns as in the library's enqueue statement (src/store/enqueue.rs):
     // queue, kind, job_key, key_seq, priority, state, payload, payload_bytes,
     // max_attempts, available_at, dead_blocks_key.
-    let sql = "INSERT INTO leasehold.jobs (queue, kind, job_key, key_seq, priority, state, payload, \
+    let sql =
+        "INSERT INTO leasehold.jobs (queue, kind, job_key, key_seq, priority, state, payload, \
                payload_bytes, max_attempts, available_at, dead_blocks_key) \
                SELECT 'default', 'charge', NULL, NULL, 0, 'pending', p, b, m, \
                       now() + interval '300 milliseconds', true \

@@ -12,9 +12,9 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use serde_json::json;
 
+use crate::kinds::Work;
 use crate::model::{now_us, EnqueueRecord, Jsonl};
 use crate::profile::Profile;
-use crate::kinds::Work;
 
 pub const UNKNOWN_KIND: &str = "no_such_kind";
 

@@ -15,19 +15,22 @@
 //!
 //! Rules (no exemption for cancelled jobs):
 //! - `key_overlap`: two attempts of one key (or, unkeyed, of one job) never run at the
-//!   same time. The one exception is physical: a process frozen by SIGSTOP runs nothing,
-//!   so an attempt whose process was frozen when the other began is excused if it ended
-//!   within [`zombie_grace_ns`] of the process resuming (its lease is gone; it must
-//!   stop as soon as it runs again).
+//!   same time. Two exceptions, both faults that break the lease from outside: a
+//!   process frozen by SIGSTOP runs nothing, so an attempt whose process was frozen when
+//!   the other began is excused if it ended within [`zombie_grace_ns`] of the process
+//!   resuming (its lease is gone; it must stop as soon as it runs again); and an
+//!   attempt whose live lease the nemesis's racing reaper (its clock ahead of the
+//!   database's) took back is excused — no library can see that coming. Both are
+//!   counted in the report.
 //! - `key_start_order`: a key's jobs first start in `key_seq` order (per key epoch).
 //! - `start_without_lease`: no handler starts after the lease in force for its
 //!   generation ran out (the furthest `lease_until` written by then, from the lease
 //!   audit; reaped or not), or after the generation was released, cancelled, failed or
 //!   completed, and none starts for a generation the database never claimed.
 //! - `stale_effect`: no attempt calls the effect server after a newer generation of its
-//!   job started.
+//!   job started (the racing reaper's victims excused, as above).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::input::Input;
 use super::{Findings, Stats};
@@ -62,7 +65,10 @@ pub struct Attempt {
 
 impl Attempt {
     fn who(&self) -> String {
-        format!("job {} gen {} (w{}.{})", self.job, self.gen, self.w, self.inc)
+        format!(
+            "job {} gen {} (w{}.{})",
+            self.job, self.gen, self.w, self.inc
+        )
     }
 }
 
@@ -133,7 +139,9 @@ fn frozen(c: &Input) -> HashMap<usize, Vec<(i64, i64)>> {
     let mut out: HashMap<usize, Vec<(i64, i64)>> = HashMap::new();
     for f in c.faults.iter().filter(|f| f.kind == "sigstop" && f.hit) {
         if let Some(w) = f.target.strip_prefix('w').and_then(|w| w.parse().ok()) {
-            out.entry(w).or_default().push((f.start_mono_ns, f.end_mono_ns));
+            out.entry(w)
+                .or_default()
+                .push((f.start_mono_ns, f.end_mono_ns));
         }
     }
     out
@@ -153,7 +161,7 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
     overlap(c, &all, f, s);
     start_order(c, &all, f);
     without_lease(c, &all, f);
-    stale_effects(&all, f);
+    stale_effects(&all, &race_reaped(c), f);
     flood_waits(c, &all, s);
     let clock = &c.run.clock;
     if clock.good_samples == 0 || clock.max_offset_us > DB_CLOCK_BOUND_US {
@@ -167,8 +175,21 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
     }
 }
 
+/// Generations whose live lease the racing reaper (a fault: its clock runs ahead) took.
+fn race_reaped(c: &Input) -> HashSet<(i64, i64)> {
+    c.expiries
+        .iter()
+        .filter(|x| x.reaped_by == RACE_REAPER)
+        .map(|x| (x.job_id, x.generation))
+        .collect()
+}
+
+/// The nemesis's reaper whose clock runs ahead of the database's.
+pub const RACE_REAPER: &str = "chaos-reaper-race";
+
 fn overlap(c: &Input, all: &[Attempt], f: &mut Findings, s: &mut Stats) {
     let frozen = frozen(c);
+    let raced = race_reaped(c);
     let grace = zombie_grace_ns(c);
     let mut groups: BTreeMap<String, Vec<&Attempt>> = BTreeMap::new();
     for a in all {
@@ -191,6 +212,10 @@ fn overlap(c: &Input, all: &[Attempt], f: &mut Findings, s: &mut Stats) {
                 });
                 if excused {
                     s.zombie_overlaps_excused += 1;
+                    continue;
+                }
+                if raced.contains(&(a.job, a.gen)) {
+                    s.race_overlaps_excused += 1;
                     continue;
                 }
                 let how = match &a.end {
@@ -220,7 +245,9 @@ fn start_order(c: &Input, all: &[Attempt], f: &mut Findings) {
         let e = first.entry(a.job).or_insert(a.start_mono);
         *e = (*e).min(a.start_mono);
     }
-    let mut by_key: BTreeMap<(&str, u32), Vec<(i64, i64, i64)>> = BTreeMap::new();
+    // (key, epoch) → (key_seq, first start, job)
+    type Started = Vec<(i64, i64, i64)>;
+    let mut by_key: BTreeMap<(&str, u32), Started> = BTreeMap::new();
     for j in &c.jobs {
         let (Some(ke), Some(seq), Some(t)) = (c.key_epoch(j), j.key_seq, first.get(&j.id)) else {
             continue;
@@ -255,14 +282,22 @@ fn generation_ends(c: &Input) -> HashMap<(i64, i64), (i64, String)> {
         }
     };
     for x in &c.expiries {
-        put((x.job_id, x.generation), x.lease_until_us, "its lease ended (reaped)".into());
+        put(
+            (x.job_id, x.generation),
+            x.lease_until_us,
+            "its lease ended (reaped)".into(),
+        );
     }
     for e in &c.events {
         if matches!(
             e.event.as_str(),
             "completed" | "failed" | "dead" | "released" | "cancelled" | "reaped"
         ) {
-            put((e.job_id, e.generation), e.at_us, format!("it was {}", e.event));
+            put(
+                (e.job_id, e.generation),
+                e.at_us,
+                format!("it was {}", e.event),
+            );
         }
     }
     out
@@ -278,7 +313,7 @@ fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings) {
             .or_default()
             .push((l.written_at_us, l.lease_until_us));
     }
-    let claimed: std::collections::HashSet<(i64, i64)> = c
+    let claimed: HashSet<(i64, i64)> = c
         .events
         .iter()
         .filter(|e| e.event == "claimed")
@@ -288,7 +323,10 @@ fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings) {
         if !claimed.contains(&(a.job, a.gen)) {
             f.add(
                 "start_without_lease",
-                format!("{} started, but the database never claimed that generation", a.who()),
+                format!(
+                    "{} started, but the database never claimed that generation",
+                    a.who()
+                ),
             );
             continue;
         }
@@ -329,13 +367,16 @@ fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings) {
     }
 }
 
-fn stale_effects(all: &[Attempt], f: &mut Findings) {
+fn stale_effects(all: &[Attempt], raced: &HashSet<(i64, i64)>, f: &mut Findings) {
     let mut by_job: HashMap<i64, Vec<&Attempt>> = HashMap::new();
     for a in all {
         by_job.entry(a.job).or_default().push(a);
     }
     for list in by_job.values() {
-        for a in list.iter().filter(|a| !a.effects.is_empty()) {
+        for a in list
+            .iter()
+            .filter(|a| !a.effects.is_empty() && !raced.contains(&(a.job, a.gen)))
+        {
             let newer = list
                 .iter()
                 .filter(|b| b.gen > a.gen)
@@ -365,7 +406,10 @@ fn stale_effects(all: &[Attempt], f: &mut Findings) {
 /// its handler's start.
 fn flood_waits(c: &Input, all: &[Attempt], s: &mut Stats) {
     let mut by_job: HashMap<i64, (i64, i64)> = HashMap::new(); // first start, last end (µs)
-    for a in all.iter().filter(|a| a.key.as_deref().is_some_and(|k| k.starts_with("chain-"))) {
+    for a in all
+        .iter()
+        .filter(|a| a.key.as_deref().is_some_and(|k| k.starts_with("chain-")))
+    {
         let e = by_job.entry(a.job).or_insert((a.start_us, a.end_us));
         e.0 = e.0.min(a.start_us);
         e.1 = e.1.max(a.end_us);
@@ -393,9 +437,13 @@ fn flood_waits(c: &Input, all: &[Attempt], s: &mut Stats) {
         .filter(|e| e.event == "claimed")
         .map(|e| ((e.job_id, e.generation), e.at_us))
         .collect();
-    for a in all.iter().filter(|a| a.key.as_deref().is_some_and(|k| k.starts_with("chain-"))) {
+    for a in all
+        .iter()
+        .filter(|a| a.key.as_deref().is_some_and(|k| k.starts_with("chain-")))
+    {
         if let Some(at) = claims.get(&(a.job, a.gen)) {
-            s.chain_claim_to_start_max_ms = s.chain_claim_to_start_max_ms.max((a.start_us - at) / 1000);
+            s.chain_claim_to_start_max_ms =
+                s.chain_claim_to_start_max_ms.max((a.start_us - at) / 1000);
         }
     }
 }

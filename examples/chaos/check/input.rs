@@ -152,7 +152,10 @@ pub fn key_epochs(jobs: &[Job], keys: &[KeyRow]) -> (HashMap<i64, u32>, Vec<Stri
     let mut by_key: BTreeMap<(&str, &str), Vec<&Job>> = BTreeMap::new();
     for j in jobs {
         if let Some(k) = &j.job_key {
-            by_key.entry((j.queue.as_str(), k.as_str())).or_default().push(j);
+            by_key
+                .entry((j.queue.as_str(), k.as_str()))
+                .or_default()
+                .push(j);
         }
     }
     let mut deleted: HashMap<(&str, &str), Vec<&KeyRow>> = HashMap::new();

@@ -42,7 +42,7 @@ pub fn expiries(c: &Input, f: &mut Findings, s: &mut Stats) {
     let targeted = targeted_explanations(c);
     let run_end = c.run.finished_us.max(c.run.drained_us);
     for x in &c.expiries {
-        if x.reaped_by == "chaos-reaper-race" {
+        if x.reaped_by == super::execution::RACE_REAPER {
             s.expiries_race += 1;
             continue;
         }
@@ -147,7 +147,11 @@ fn targeted_explanations(c: &Input) -> Targeted {
     }
     // A txhold handler that held its own completing transaction past the lease.
     let lease = c.run.lease_ms;
-    for l in c.history.iter().filter(|l| l.ev == "start" && l.kind == "txhold") {
+    for l in c
+        .history
+        .iter()
+        .filter(|l| l.ev == "start" && l.kind == "txhold")
+    {
         let held: u64 = l
             .detail
             .strip_prefix("hold_ms=")

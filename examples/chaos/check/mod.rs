@@ -25,6 +25,7 @@ pub mod selftest;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+pub use execution::RACE_REAPER;
 pub use input::Input;
 
 /// Every invariant, in report order, with what a violation means.
@@ -195,6 +196,7 @@ pub struct Stats {
     pub ends_at_process_end: u64,
     pub ends_open: u64,
     pub zombie_overlaps_excused: u64,
+    pub race_overlaps_excused: u64,
     pub flood_successor_waited: u64,
     pub chain_claim_to_start_max_ms: i64,
     // Poison and retention.

@@ -67,7 +67,8 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
             e.event.as_str(),
             "completed" | "failed" | "dead" | "released" | "reaped" | "cancelled"
         ) {
-            ends.entry((e.job_id, e.generation)).or_insert(e.event.as_str());
+            ends.entry((e.job_id, e.generation))
+                .or_insert(e.event.as_str());
         }
     }
     let worker_of: HashMap<&str, usize> = c
@@ -77,9 +78,16 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
         .filter_map(|l| l.owner.as_deref().map(|o| (o, l.w)))
         .collect();
     let lease_us = c.run.lease_ms as i64 * 1000;
+    // The racing reaper's victims suffered for that fault, not for their neighbour.
+    let raced: HashSet<(i64, i64)> = c
+        .expiries
+        .iter()
+        .filter(|x| x.reaped_by == super::execution::RACE_REAPER)
+        .map(|x| (x.job_id, x.generation))
+        .collect();
     let mut checked: HashSet<(i64, i64)> = HashSet::new();
     let mut judge = |n: (i64, i64), w: Option<usize>, from: i64, p: i64, f: &mut Findings| {
-        if poison.contains(&n.0) || !checked.insert(n) {
+        if poison.contains(&n.0) || raced.contains(&n) || !checked.insert(n) {
             return;
         }
         s.poison_neighbours += 1;
@@ -88,7 +96,9 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
             None => matches!(end, "reaped" | "failed" | "dead"),
             Some(a) => a.end == End::Logged("ok".into()) && end != "completed",
         };
-        let faulted = w.map_or(true, |w| lease_fault_near(c, w, from, from + lease_us + 1_000_000));
+        let faulted = w.map_or(true, |w| {
+            lease_fault_near(c, w, from, from + lease_us + 1_000_000)
+        });
         if affected && !faulted {
             let ran_how = match ran.get(&n) {
                 None => "its handler never ran".to_string(),
@@ -104,7 +114,10 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
     let mut claims: HashMap<(&str, i64), Vec<(i64, i64)>> = HashMap::new();
     for e in c.events.iter().filter(|e| e.event == "claimed") {
         if let Some(o) = e.owner.as_deref() {
-            claims.entry((o, e.at_us)).or_default().push((e.job_id, e.generation));
+            claims
+                .entry((o, e.at_us))
+                .or_default()
+                .push((e.job_id, e.generation));
         }
     }
     for ((owner, at), batch) in &claims {
@@ -116,7 +129,10 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
         }
     }
     // Completion-batch neighbours of poisoned results that returned ok.
-    for a in all.iter().filter(|a| poison.contains(&a.job) && a.end == End::Logged("ok".into())) {
+    for a in all
+        .iter()
+        .filter(|a| poison.contains(&a.job) && a.end == End::Logged("ok".into()))
+    {
         for b in all.iter().filter(|b| {
             b.w == a.w
                 && b.inc == a.inc

@@ -28,7 +28,10 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
             continue;
         }
         if let Some(k) = &j.job_key {
-            deleted_dead.entry((j.queue.as_str(), k.as_str())).or_default().push(j.id);
+            deleted_dead
+                .entry((j.queue.as_str(), k.as_str()))
+                .or_default()
+                .push(j.id);
         }
         f.add(
             "pruned_dead",
@@ -41,7 +44,9 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
     let mut keys: BTreeMap<(&str, &str), Vec<&Job>> = BTreeMap::new();
     for j in c.jobs.iter().filter(|j| j.deleted_at_us.is_none()) {
         if let Some(k) = &j.job_key {
-            keys.entry((j.queue.as_str(), k.as_str())).or_default().push(j);
+            keys.entry((j.queue.as_str(), k.as_str()))
+                .or_default()
+                .push(j);
         }
         if j.state == "running" {
             f.add(
@@ -54,7 +59,11 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         }
     }
     for ((queue, key), js) in keys {
-        let waiting: Vec<i64> = js.iter().filter(|j| j.state == "waiting").map(|j| j.id).collect();
+        let waiting: Vec<i64> = js
+            .iter()
+            .filter(|j| j.state == "waiting")
+            .map(|j| j.id)
+            .collect();
         let head = js
             .iter()
             .any(|j| matches!(j.state.as_str(), "pending" | "running" | "held" | "dead"));
@@ -65,7 +74,9 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
             };
             f.add(
                 "stranded_key",
-                format!("key {queue}/{key}: jobs {waiting:?} wait with no head to move them ({cause})"),
+                format!(
+                    "key {queue}/{key}: jobs {waiting:?} wait with no head to move them ({cause})"
+                ),
             );
         }
     }

@@ -99,7 +99,15 @@ impl Synth {
     }
 
     /// A claimed attempt on worker `w` from `from` to `to` (ms; `None`: no end line).
-    fn attempt(&mut self, w: usize, job: i64, gen: i64, key: Option<&str>, from: i64, to: Option<i64>) {
+    fn attempt(
+        &mut self,
+        w: usize,
+        job: i64,
+        gen: i64,
+        key: Option<&str>,
+        from: i64,
+        to: Option<i64>,
+    ) {
         self.event(job, gen, "claimed", from - 5, &format!("owner-w{w}"));
         self.line("start", w, job, gen, key, from);
         if let Some(to) = to {
@@ -206,6 +214,31 @@ fn job_generations_overlap() -> Result<(), String> {
         s.run(execution::check)
     };
     expect("key_overlap", build(3000), build(2050))
+}
+
+/// The nemesis's racing reaper (clock ahead) took a live lease: the overlap that
+/// follows is the fault's, and excused; the same overlap after a genuine expiry is not.
+fn race_reaped_excused() -> Result<(), String> {
+    let build = |reaper: &str| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.attempt(0, 1, 1, None, 100, Some(1500));
+        s.0.expiries.push(Expiry {
+            job_id: 1,
+            generation: 1,
+            owner: "owner-w0".into(),
+            lease_until_us: us(2100),
+            reaped_at_us: us(1000),
+            reaped_by: reaper.into(),
+        });
+        s.attempt(1, 1, 2, None, 1200, Some(1300));
+        s.run(execution::check)
+    };
+    expect(
+        "key_overlap",
+        build("vm:1:reaper"),
+        build(execution::RACE_REAPER),
+    )
 }
 
 /// A SIGKILLed worker's open attempt ends when its process was reaped.
@@ -454,7 +487,13 @@ fn poison_result_neighbour() -> Result<(), String> {
         s.job(2, None, None, "done");
         s.attempt(0, 1, 1, None, 100, Some(200));
         s.attempt(0, 2, 1, None, 120, Some(210));
-        s.event(2, 1, if completed { "completed" } else { "reaped" }, 2300, "x");
+        s.event(
+            2,
+            1,
+            if completed { "completed" } else { "reaped" },
+            2300,
+            "x",
+        );
         s.run(poison::check)
     };
     expect("poison_neighbour", build(false), build(true))
@@ -509,10 +548,11 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 22] = [
+pub const CASES: [Case; 23] = [
     ("key_overlap", key_overlap),
     ("cancelled_head_overlaps", cancelled_head_overlaps),
     ("job_generations_overlap", job_generations_overlap),
+    ("race_reaped_excused", race_reaped_excused),
     ("killed_attempt_ends_at_reap", killed_attempt_ends_at_reap),
     ("frozen_process_grace", frozen_process_grace),
     ("key_start_order", key_start_order),
@@ -529,7 +569,10 @@ pub const CASES: [Case; 22] = [
     ("poison_payload", poison_payload),
     ("poison_neighbour", poison_neighbour),
     ("poison_result_neighbour", poison_result_neighbour),
-    ("row_lock_explains_only_its_rows", row_lock_explains_only_its_rows),
+    (
+        "row_lock_explains_only_its_rows",
+        row_lock_explains_only_its_rows,
+    ),
     ("rolled_back_enqueue", rolled_back_enqueue),
     ("drop_guard_end_counts", drop_guard_end_counts),
 ];
