@@ -269,6 +269,7 @@ async fn run(
         tokio::spawn(async move {
             let bad = gen.bad_input();
             enqueue_batch(&h.store, bad, &h.enqueue_log, &h.seen).await;
+            enqueue_batch(&h.store, vec![gen.too_deep()], &h.enqueue_log, &h.seen).await;
             let ticks = (profile.fault_phase.as_millis() / 100).max(1) as f64;
             let per_tick = profile.jobs as f64 / ticks;
             let mut owed = 0.0;

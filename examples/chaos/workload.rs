@@ -194,6 +194,28 @@ impl Generator {
         out
     }
 
+    /// A payload nested past serde_json's recursion limit, through the enqueue API: the
+    /// library must refuse it (`Error::InvalidPayload`) rather than store a job no
+    /// claim can decode. (The `deep` scenario writes such rows with raw SQL instead.)
+    pub fn too_deep(&mut self) -> Spec {
+        let cid = self.cid();
+        let mut deep = json!(1);
+        for _ in 0..crate::scenarios::DEEP_NESTING {
+            deep = json!({ "a": deep });
+        }
+        Spec {
+            cid,
+            kind: "charge".into(),
+            key: None,
+            payload: json!({ "cid": cid, "deep": deep }),
+            max_attempts: 3,
+            delay_ms: 0,
+            priority: 0,
+            expect: "refused",
+            scenario: Some("deep_via_api"),
+        }
+    }
+
     pub fn oversized(&mut self) -> Spec {
         let cid = self.cid();
         let mut w = work(cid);

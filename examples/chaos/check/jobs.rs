@@ -54,12 +54,13 @@ pub fn enqueues(c: &Input, f: &mut Findings, s: &mut Stats) {
             _ => {}
         }
         if r.expect == "refused" && r.status == "ok" {
+            let what = match r.scenario.as_deref() {
+                Some("deep_via_api") => "payload nested past 128 levels",
+                _ => "oversized payload",
+            };
             f.add(
                 "bad_input",
-                format!(
-                    "cid {}: oversized payload accepted as job {:?}",
-                    r.cid, r.id
-                ),
+                format!("cid {}: {what} accepted as job {:?}", r.cid, r.id),
             );
         }
     }
