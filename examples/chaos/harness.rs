@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use leasehold::{Store, StoreOptions};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -262,38 +262,13 @@ async fn run(
 
     // Fault phase: workload and nemesis side by side, both from the seed.
     let phase_end = tokio::time::Instant::now() + profile.fault_phase;
-    let mut gen = Generator::new(profile.clone());
-    let workload = {
-        let h = h.clone();
-        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_0001);
-        tokio::spawn(async move {
-            let bad = gen.bad_input();
-            enqueue_batch(&h.store, bad, &h.enqueue_log, &h.seen).await;
-            enqueue_batch(&h.store, vec![gen.too_deep()], &h.enqueue_log, &h.seen).await;
-            let ticks = (profile.fault_phase.as_millis() / 100).max(1) as f64;
-            let per_tick = profile.jobs as f64 / ticks;
-            let mut owed = 0.0;
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
-            while tokio::time::Instant::now() < phase_end {
-                tick.tick().await;
-                owed += per_tick;
-                let n = owed.floor() as usize;
-                owed -= n as f64;
-                let specs: Vec<_> = (0..n).map(|_| gen.draw(&mut rng)).collect();
-                let (single, batch): (Vec<_>, Vec<_>) =
-                    specs.into_iter().partition(|_| rng.gen_bool(0.05));
-                enqueue_batch(&h.store, batch, &h.enqueue_log, &h.seen).await;
-                for s in single {
-                    enqueue_batch(&h.store, vec![s], &h.enqueue_log, &h.seen).await;
-                }
-                if rng.gen_bool(0.01) {
-                    enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
-                }
-            }
-            enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
-            gen
-        })
-    };
+    let gen = Generator::new(profile.clone());
+    let workload = tokio::spawn(crate::workload::run(
+        h.clone(),
+        gen,
+        StdRng::seed_from_u64(seed ^ 0x5eed_0001),
+        phase_end,
+    ));
     let scenarios = tokio::spawn(scenarios::run(
         h.clone(),
         StdRng::seed_from_u64(seed ^ 0x5eed_0003),

@@ -31,6 +31,8 @@ mod kinds;
 mod model;
 mod nemesis;
 mod nemesis_host;
+mod nemesis_operator;
+mod nemesis_plan;
 mod operator;
 mod procs;
 mod profile;

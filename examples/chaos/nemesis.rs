@@ -6,131 +6,27 @@
 //! nothing to hit (no listener connected at that moment, no holdable job) is retried
 //! until its kind has been hit once: a run that misses a kind fails the check.
 //!
-//! The faults a host and an operator make on purpose (a long transaction holding a hot
-//! key, a session locking running rows, a cancel of a running head) are in
-//! [`crate::nemesis_host`].
+//! The faults a host makes (a long transaction holding a hot key, a session locking
+//! running rows) are in [`crate::nemesis_host`]; an operator's (hold, cancel, cancel of
+//! a running head) in [`crate::nemesis_operator`].
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold::{JobId, OwnerId};
+use leasehold::OwnerId;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::Rng;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::harness::{Harness, WorkerSlot};
-use crate::model::{now_mono_ns, now_us, FaultRecord};
+use crate::model::FaultRecord;
 use crate::procs;
 use crate::proxy::Mode;
 
-/// Every fault kind with its weight in the random part of the schedule.
-pub const FAULTS: [(&str, u32); 19] = [
-    ("sigkill", 10),
-    ("sigstop", 12),
-    ("sigterm", 5),
-    ("pg_terminate_worker", 10),
-    ("pg_terminate_listener", 6),
-    ("pg_restart_fast", 3),
-    ("pg_restart_immediate", 3),
-    ("proxy_delay", 8),
-    ("proxy_blackhole", 8),
-    ("proxy_blackhole_renewer", 10),
-    ("proxy_cut", 8),
-    ("reaper_race", 6),
-    ("effect_reply_lost", 6),
-    ("manual_hold", 6),
-    ("manual_cancel", 6),
-    ("row_lock", 6),
-    ("host_enqueue_commit", 4),
-    ("host_enqueue_rollback", 3),
-    ("cancel_running_head", 10),
-];
-
-/// When a fault began, on both clocks.
-#[derive(Clone, Copy, Debug)]
-pub struct Start {
-    pub us: i64,
-    pub mono: i64,
-}
-
-impl Start {
-    pub fn now() -> Start {
-        Start {
-            us: now_us(),
-            mono: now_mono_ns(),
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct Planned {
-    pub gap_ms: u64,
-    pub kind: &'static str,
-    pub target: usize,
-    pub dur_ms: u64,
-    pub n: u64,
-}
-
-/// The schedule for a seed (as long as any profile can use).
-pub fn plan(rng: &mut StdRng, lease_ms: u64, gap: (u64, u64), len: usize) -> Vec<Planned> {
-    let mut kinds: Vec<&'static str> = FAULTS.iter().map(|f| f.0).collect();
-    kinds.shuffle(rng);
-    let total: u32 = FAULTS.iter().map(|f| f.1).sum();
-    while kinds.len() < len {
-        let mut x = rng.gen_range(0..total);
-        for (k, w) in FAULTS {
-            if x < w {
-                kinds.push(k);
-                break;
-            }
-            x -= w;
-        }
-    }
-    let lease = lease_ms as f64;
-    kinds
-        .into_iter()
-        .map(|kind| {
-            let (dur_ms, n) = match kind {
-                "sigstop" | "proxy_blackhole" => ((lease * rng.gen_range(1.5..2.5)) as u64, 0),
-                // n = 1: every worker's renewer at once (a stall of all renewals).
-                "proxy_blackhole_renewer" => (
-                    (lease * rng.gen_range(1.5..2.5)) as u64,
-                    rng.gen_bool(0.4) as u64,
-                ),
-                "proxy_delay" => (rng.gen_range(1500..3000), rng.gen_range(30..250)),
-                "sigkill" => (0, rng.gen_range(200..800)),
-                "reaper_race" => (1500, 0),
-                "effect_reply_lost" => (0, rng.gen_range(2..5)),
-                "manual_hold" => (rng.gen_range(500..3000), 4),
-                "manual_cancel" => (0, 3),
-                // Held past the lease: a renewal that waits on the lock loses every
-                // lease of its process.
-                "row_lock" => (
-                    (lease * rng.gen_range(1.5..2.5)) as u64,
-                    rng.gen_range(1..=2),
-                ),
-                "host_enqueue_commit" | "host_enqueue_rollback" => {
-                    ((lease * rng.gen_range(1.5..2.5)) as u64, 0)
-                }
-                "cancel_running_head" => (0, rng.gen_range(1..=3)),
-                "pg_terminate_worker" => (0, rng.gen_range(1..4)),
-                "proxy_cut" => (0, rng.gen_bool(0.3) as u64),
-                _ => (0, 0),
-            };
-            Planned {
-                gap_ms: rng.gen_range(gap.0..gap.1),
-                kind,
-                target: rng.gen_range(0..1000),
-                dur_ms,
-                n,
-            }
-        })
-        .collect()
-}
+pub use crate::nemesis_plan::{plan, Planned, Start, FAULTS};
 
 /// Run the schedule until `phase_end`. Returns the tasks still healing (SIGCONT, end
 /// of a blackhole...), for the caller to await.
@@ -262,8 +158,11 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
     let start = Start::now();
     let kind = p.kind;
     match kind {
-        "row_lock" | "host_enqueue_commit" | "host_enqueue_rollback" | "cancel_running_head" => {
+        "row_lock" | "host_enqueue_commit" | "host_enqueue_rollback" => {
             crate::nemesis_host::inject(h, p, rng).await
+        }
+        "manual_hold" | "manual_cancel" | "cancel_running_head" => {
+            crate::nemesis_operator::inject(h, p, rng).await
         }
         "sigkill" => {
             let slot = pick(h, p.target, true).await?;
@@ -525,99 +424,6 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                 start,
                 dropped > 0,
                 format!("armed {}, dropped {dropped} so far", p.n),
-            );
-            None
-        }
-        "manual_hold" => {
-            let candidates: Vec<i64> = h
-                .seen
-                .lock()
-                .unwrap()
-                .delayed
-                .iter()
-                .rev()
-                .take(30)
-                .copied()
-                .collect();
-            let chosen: Vec<i64> = candidates
-                .choose_multiple(rng, p.n as usize)
-                .copied()
-                .collect();
-            let mut held = Vec::new();
-            for id in chosen {
-                let r = tokio::time::timeout(Duration::from_secs(5), h.store.hold(JobId(id))).await;
-                if matches!(r, Ok(Ok(()))) {
-                    held.push(id);
-                }
-            }
-            record(
-                h,
-                kind,
-                "jobs".into(),
-                start,
-                !held.is_empty(),
-                format!("held {held:?}; release after {}ms", p.dur_ms),
-            );
-            let h2 = h.clone();
-            let after = p.dur_ms;
-            Some(tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(after)).await;
-                let start = Start::now();
-                let mut released = 0;
-                for id in &held {
-                    let r = tokio::time::timeout(
-                        Duration::from_secs(5),
-                        h2.store.release_hold(JobId(*id)),
-                    )
-                    .await;
-                    released += matches!(r, Ok(Ok(()))) as u32;
-                }
-                if !held.is_empty() {
-                    record(
-                        &h2,
-                        "manual_release",
-                        "jobs".into(),
-                        start,
-                        released > 0,
-                        format!("released {released} of {}", held.len()),
-                    );
-                }
-            }))
-        }
-        "manual_cancel" => {
-            let candidates: Vec<i64> = h
-                .seen
-                .lock()
-                .unwrap()
-                .recent
-                .iter()
-                .rev()
-                .take(200)
-                .copied()
-                .collect();
-            let chosen: Vec<i64> = candidates
-                .choose_multiple(rng, p.n as usize)
-                .copied()
-                .collect();
-            let mut cancelled = Vec::new();
-            for id in chosen {
-                let r = tokio::time::timeout(
-                    Duration::from_secs(5),
-                    h.store.cancel(JobId(id), "chaos operator cancel"),
-                )
-                .await;
-                // Ok(_): `()` today, a `CancelOutcome` after the hardening.
-                if matches!(r, Ok(Ok(_))) {
-                    cancelled.push(id);
-                }
-            }
-            record(
-                h,
-                kind,
-                "jobs".into(),
-                start,
-                !cancelled.is_empty(),
-                format!("cancelled {cancelled:?}"),
             );
             None
         }

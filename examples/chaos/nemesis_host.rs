@@ -1,5 +1,5 @@
-//! Faults a host service and its operators make without meaning any harm: the things a
-//! library inside someone else's service must survive.
+//! Faults a host service makes without meaning any harm: the things a library inside
+//! someone else's service must survive.
 //!
 //! - `host_enqueue_commit` / `host_enqueue_rollback`: a host transaction calls
 //!   `enqueue_in` for a hot key and stays open longer than a lease (then commits, or
@@ -10,8 +10,6 @@
 //!   longer than a lease, as a report or a migration might. Those jobs cannot be renewed;
 //!   the worker's other jobs must be, and the locked jobs' handlers must be stopped by
 //!   their local lease deadline before the lease can pass.
-//! - `cancel_running_head`: an operator cancels a keyed job that is running and has
-//!   successors waiting. The key must not move on while that attempt may still run.
 //!
 //! Each is recorded with the jobs or key it touched, so the checker can tell the lease
 //! expiries it explains (only those jobs, that key) from the ones it does not.
@@ -20,7 +18,7 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold::{JobId, NewJob};
+use leasehold::NewJob;
 use rand::rngs::StdRng;
 use rand::Rng;
 use tokio::task::JoinHandle;
@@ -36,10 +34,6 @@ pub async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<J
             Some(tokio::spawn(host_enqueue(h.clone(), p.clone(), key)))
         }
         "row_lock" => row_lock(h, p).await,
-        "cancel_running_head" => {
-            cancel_running_head(h, p).await;
-            None
-        }
         _ => unreachable!("not a host fault: {}", p.kind),
     }
 }
@@ -167,49 +161,4 @@ async fn row_lock(h: &Arc<Harness>, p: &Planned) -> Option<JoinHandle<()>> {
         fr.jobs = ids;
         record_with(&h, start, fr);
     }))
-}
-
-/// Cancel running keyed heads that have successors waiting (the cancel-chain workload
-/// makes such heads long on purpose).
-async fn cancel_running_head(h: &Arc<Harness>, p: &Planned) {
-    let start = Start::now();
-    let heads: Vec<i64> = sqlx::query_scalar(
-        "SELECT j.id FROM leasehold.jobs j WHERE j.state = 'running' AND j.job_key IS NOT NULL \
-         AND EXISTS (SELECT 1 FROM leasehold.jobs w WHERE w.queue = j.queue \
-                     AND w.job_key = j.job_key AND w.state = 'waiting') \
-         ORDER BY (j.job_key LIKE 'cx-%') DESC, random() LIMIT $1",
-    )
-    .bind(p.n.max(1) as i64)
-    .fetch_all(&h.admin)
-    .await
-    .unwrap_or_default();
-    let mut done = Vec::new();
-    let mut outcomes = Vec::new();
-    for id in heads {
-        let r = tokio::time::timeout(
-            Duration::from_secs(5),
-            h.store
-                .cancel(JobId(id), "chaos operator cancels a running head"),
-        )
-        .await;
-        match r {
-            Ok(Ok(outcome)) => {
-                done.push(id);
-                // HARDENING: `outcome` becomes a `CancelOutcome` (`Cancelled` or
-                // `Requested`); `{outcome:?}` records which.
-                outcomes.push(format!("{id}: {outcome:?}"));
-            }
-            Ok(Err(e)) => outcomes.push(format!("{id}: {e}")),
-            Err(_) => outcomes.push(format!("{id}: timed out")),
-        }
-    }
-    let mut fr = FaultRecord::new(
-        p.kind,
-        "jobs".into(),
-        start.us,
-        !done.is_empty(),
-        format!("cancelled running heads: {}", outcomes.join(", ")),
-    );
-    fr.jobs = done;
-    record_with(h, start, fr);
 }

@@ -79,10 +79,9 @@ fn cid(h: &Harness) -> u64 {
     h.next_cid.fetch_add(1, SeqCst)
 }
 
-fn spec(h: &Harness, kind: &str, w: crate::kinds::Work, scenario: &'static str) -> Spec {
+fn spec(kind: &str, w: crate::kinds::Work, scenario: &'static str) -> Spec {
     let mut s = Spec::new(w.cid, kind, to_json(&w), "done");
     s.scenario = Some(scenario);
-    let _ = h;
     s
 }
 
@@ -91,7 +90,7 @@ fn quick(h: &Harness, key: &str, scenario: &'static str, rng: &mut StdRng) -> Sp
     let mut w = work(cid(h));
     w.steps = 1;
     w.sleep_ms = rng.gen_range(5..40);
-    let mut s = spec(h, "charge", w, scenario);
+    let mut s = spec("charge", w, scenario);
     s.key = Some(key.to_string());
     s
 }
@@ -107,7 +106,7 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
             w.effects_last = rng.gen_bool(0.5);
             w.sleep_ms = (lease * rng.gen_range(1.2..1.7)) as u64;
             w.ignore_cancel = rng.gen_bool(0.4);
-            let mut head = spec(h, "slow", w, "cancel_chain");
+            let mut head = spec("slow", w, "cancel_chain");
             head.key = Some(key.clone());
             let mut out = vec![head];
             out.extend((0..3).map(|_| quick(h, &key, "cancel_chain", rng)));
@@ -121,7 +120,7 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
             let mut w = work(cid(h));
             w.fail_first = 1;
             w.permanent = true;
-            let mut head = spec(h, "flaky", w, "dead_head");
+            let mut head = spec("flaky", w, "dead_head");
             head.key = Some(key.clone());
             head.expect = "dead";
             let mut out = vec![head];
@@ -131,7 +130,7 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
         "poison" => {
             let mut w = work(cid(h));
             w.poison = Some(if rng.gen_bool(0.5) { "nul" } else { "big" }.into());
-            let mut p = spec(h, "poison", w, "poison");
+            let mut p = spec("poison", w, "poison");
             p.expect = "poison_result";
             // Few attempts: a library that cannot contain the poison retries it.
             p.max_attempts = 3;
@@ -139,7 +138,7 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
             for _ in 0..3 {
                 let mut w = work(cid(h));
                 w.sleep_ms = rng.gen_range(0..20);
-                out.push(spec(h, "charge", w, "neighbour"));
+                out.push(spec("charge", w, "neighbour"));
             }
             out
         }
@@ -148,7 +147,7 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
             // Past the lease, well within the max run time (whose abort could land
             // between the commit and the handler's last line).
             w.hold_ms = (lease * rng.gen_range(1.3..1.8)) as u64;
-            let mut t = spec(h, "txhold", w, "txhold");
+            let mut t = spec("txhold", w, "txhold");
             let mut out = Vec::new();
             if rng.gen_bool(0.5) {
                 let key = format!("tx-{n}");
@@ -173,7 +172,7 @@ async fn flood(h: &Arc<Harness>, rng: &mut StdRng) {
         .map(|_| {
             let mut w = work(cid(h));
             w.sleep_ms = rng.gen_range(3300..3900);
-            let mut s = spec(h, "slow", w, "flood");
+            let mut s = spec("slow", w, "flood");
             s.delay_ms = FLOOD_DUE_MS;
             s
         })

@@ -12,6 +12,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use serde_json::json;
 
+use crate::harness::Harness;
 use crate::kinds::Work;
 use crate::model::{now_us, EnqueueRecord, Jsonl};
 use crate::profile::Profile;
@@ -343,6 +344,41 @@ impl Generator {
         spec.payload = to_json(&w);
         spec
     }
+}
+
+/// Enqueue the random mix through the fault phase (and the bad input first), at the
+/// profile's rate; returns the generator for the probes after the faults.
+pub async fn run(
+    h: Arc<Harness>,
+    mut gen: Generator,
+    mut rng: StdRng,
+    phase_end: tokio::time::Instant,
+) -> Generator {
+    let profile = h.profile.clone();
+    let bad = gen.bad_input();
+    enqueue_batch(&h.store, bad, &h.enqueue_log, &h.seen).await;
+    enqueue_batch(&h.store, vec![gen.too_deep()], &h.enqueue_log, &h.seen).await;
+    let ticks = (profile.fault_phase.as_millis() / 100).max(1) as f64;
+    let per_tick = profile.jobs as f64 / ticks;
+    let mut owed = 0.0;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    while tokio::time::Instant::now() < phase_end {
+        tick.tick().await;
+        owed += per_tick;
+        let n = owed.floor() as usize;
+        owed -= n as f64;
+        let specs: Vec<_> = (0..n).map(|_| gen.draw(&mut rng)).collect();
+        let (single, batch): (Vec<_>, Vec<_>) = specs.into_iter().partition(|_| rng.gen_bool(0.05));
+        enqueue_batch(&h.store, batch, &h.enqueue_log, &h.seen).await;
+        for s in single {
+            enqueue_batch(&h.store, vec![s], &h.enqueue_log, &h.seen).await;
+        }
+        if rng.gen_bool(0.01) {
+            enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
+        }
+    }
+    enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
+    gen
 }
 
 /// Shared by the generator and the nemesis: ids the operator may act on.

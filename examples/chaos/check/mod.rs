@@ -21,6 +21,7 @@ mod poison;
 mod report;
 mod retention;
 pub mod selftest;
+mod synth;
 
 use std::collections::BTreeMap;
 use std::path::Path;
