@@ -164,10 +164,11 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
 }
 
 /// Long unkeyed jobs (a quarter more than the slots), due in a moment; then keyed
-/// chains of instant jobs that are running when they fall due.
+/// chains of instant jobs, running when they fall due; then a wake-up for every claimer.
 async fn flood(h: &Arc<Harness>, rng: &mut StdRng) {
     let n = h.next_cid.load(SeqCst);
     let slots = h.profile.workers * h.profile.concurrency;
+    let t0 = tokio::time::Instant::now();
     let long: Vec<Spec> = (0..slots + slots / 4)
         .map(|_| {
             let mut w = work(cid(h));
@@ -178,14 +179,14 @@ async fn flood(h: &Arc<Harness>, rng: &mut StdRng) {
         })
         .collect();
     enqueue_batch(&h.store, long, &h.enqueue_log, &h.seen).await;
-    tokio::time::sleep(Duration::from_millis(FLOOD_DUE_MS - 100)).await;
+    tokio::time::sleep_until(t0 + Duration::from_millis(FLOOD_DUE_MS - 100)).await;
     // Instant jobs (no sleep, no effect): a chain spends nearly all its time between a
     // handler's return and its completion's reply, the window in which a successor is
     // claimed and then finds its slot taken.
     let mut chains = Vec::new();
     for c in 0..h.profile.workers * 2 {
         let key = format!("chain-{n}-{c}");
-        chains.extend((0..40).map(|_| {
+        chains.extend((0..60).map(|_| {
             let mut s = quick(h, &key, "chain", rng);
             s.payload["steps"] = json!(0);
             s.payload["sleep_ms"] = json!(0);
@@ -193,6 +194,14 @@ async fn flood(h: &Arc<Harness>, rng: &mut StdRng) {
         }));
     }
     enqueue_batch(&h.store, chains, &h.enqueue_log, &h.seen).await;
+    // Delayed jobs come due without a NOTIFY; a claimer between polls would find them
+    // up to a poll interval late, by when the chains may be over. Any enqueue at that
+    // moment would wake them all; this is that wake-up, without the job.
+    tokio::time::sleep_until(t0 + Duration::from_millis(FLOOD_DUE_MS + 20)).await;
+    let _ = sqlx::query("SELECT pg_notify($1, 'default')")
+        .bind(h.store.schema().channel())
+        .execute(&h.admin)
+        .await;
 }
 
 /// When the flood's long jobs fall due, after their enqueue.
