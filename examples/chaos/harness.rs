@@ -1,28 +1,28 @@
-//! The harness: cluster, effect server, proxies, worker processes, workload, nemesis,
-//! drain, artifacts, check. Everything it starts, it stops; a watchdog enforces the
-//! hard deadline.
+//! The harness: cluster, effect server, proxies, worker processes, workload, scenarios,
+//! nemesis, retention operator, drain, artifacts, check. Everything it starts, it stops;
+//! a watchdog enforces the hard deadline.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold::{Store, StoreOptions};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use rand::SeedableRng;
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
 
 use crate::cluster::Cluster;
 use crate::effects::EffectServer;
-use crate::model::{now_us, write_json, FaultRecord, Jsonl, ProcessRecord, RunInfo};
+use crate::model::{now_mono_ns, now_us, write_json, FaultRecord, Jsonl, ProcessRecord, RunInfo};
 use crate::profile::Profile;
 use crate::proxy::{Mode, Proxy};
 use crate::worker::Options as WorkerOptions;
 use crate::workload::{enqueue_batch, Enqueued, Generator};
-use crate::{check, nemesis, procs};
+use crate::{check, dbsetup, nemesis, operator, procs, scenarios};
 
 pub struct Running {
     pub child: Child,
@@ -44,13 +44,18 @@ pub struct Harness {
     pub out: PathBuf,
     pub cluster: Arc<Cluster>,
     pub admin: PgPool,
+    /// The simulated host service's connections (its long transactions, row locks).
+    pub host: PgPool,
     pub store: Store,
     pub effects: EffectServer,
     pub slots: Vec<Arc<WorkerSlot>>,
     pub faults: Mutex<Jsonl>,
     pub processes: Mutex<Jsonl>,
     pub enqueue_log: Mutex<Jsonl>,
+    pub operator: Mutex<Jsonl>,
     pub seen: Arc<Mutex<Enqueued>>,
+    /// Client ids for the scenarios and the host's enqueues (above the mix's range).
+    pub next_cid: AtomicU64,
     /// kind → (attempted, hit)
     pub fault_counts: Mutex<BTreeMap<String, (u64, u64)>>,
     /// Only one database-wide fault at a time.
@@ -189,7 +194,8 @@ async fn run(
         cluster.root.display(),
         t0.elapsed().as_secs_f64()
     );
-    let admin = setup_database(cluster.port).await?;
+    let admin = dbsetup::setup(cluster.port).await?;
+    let host = dbsetup::host_pool(cluster.port).await?;
     let store = Store::new(
         admin.clone(),
         "leasehold",
@@ -200,7 +206,16 @@ async fn run(
     )
     .map_err(|e| e.to_string())?;
     store.migrate().await.map_err(|e| e.to_string())?;
+    dbsetup::install_audit(&admin).await?;
     info.cluster_ready_us = now_us();
+    info.max_result_bytes = crate::worker::MAX_RESULT_BYTES;
+    let clock = Arc::new(Mutex::new(crate::model::ClockInfo::default()));
+    let clock_stop = CancellationToken::new();
+    let clock_task = tokio::spawn(dbsetup::watch_clock(
+        admin.clone(),
+        clock.clone(),
+        clock_stop.clone(),
+    ));
     let effects = EffectServer::start(&out.join("effects.jsonl"))
         .await
         .map_err(|e| e.to_string())?;
@@ -221,6 +236,7 @@ async fn run(
         out: out.clone(),
         cluster: cluster.clone(),
         admin: admin.clone(),
+        host: host.clone(),
         store: store.clone(),
         effects,
         slots,
@@ -231,7 +247,11 @@ async fn run(
         enqueue_log: Mutex::new(
             Jsonl::create(&out.join("enqueue.jsonl")).map_err(|e| e.to_string())?,
         ),
+        operator: Mutex::new(
+            Jsonl::create(&out.join("operator.jsonl")).map_err(|e| e.to_string())?,
+        ),
         seen: Arc::new(Mutex::new(Enqueued::default())),
+        next_cid: AtomicU64::new(10_000_000),
         fault_counts: Mutex::new(BTreeMap::new()),
         pg_lock: tokio::sync::Mutex::new(()),
         exe: std::env::current_exe().map_err(|e| e.to_string())?,
@@ -242,37 +262,23 @@ async fn run(
 
     // Fault phase: workload and nemesis side by side, both from the seed.
     let phase_end = tokio::time::Instant::now() + profile.fault_phase;
-    let mut gen = Generator::new(profile.clone());
-    let workload = {
-        let h = h.clone();
-        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_0001);
-        tokio::spawn(async move {
-            let bad = gen.bad_input();
-            enqueue_batch(&h.store, bad, &h.enqueue_log, &h.seen).await;
-            let ticks = (profile.fault_phase.as_millis() / 100).max(1) as f64;
-            let per_tick = profile.jobs as f64 / ticks;
-            let mut owed = 0.0;
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
-            while tokio::time::Instant::now() < phase_end {
-                tick.tick().await;
-                owed += per_tick;
-                let n = owed.floor() as usize;
-                owed -= n as f64;
-                let specs: Vec<_> = (0..n).map(|_| gen.draw(&mut rng)).collect();
-                let (single, batch): (Vec<_>, Vec<_>) =
-                    specs.into_iter().partition(|_| rng.gen_bool(0.05));
-                enqueue_batch(&h.store, batch, &h.enqueue_log, &h.seen).await;
-                for s in single {
-                    enqueue_batch(&h.store, vec![s], &h.enqueue_log, &h.seen).await;
-                }
-                if rng.gen_bool(0.01) {
-                    enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
-                }
-            }
-            enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
-            gen
-        })
-    };
+    let gen = Generator::new(profile.clone());
+    let workload = tokio::spawn(crate::workload::run(
+        h.clone(),
+        gen,
+        StdRng::seed_from_u64(seed ^ 0x5eed_0001),
+        phase_end,
+    ));
+    let scenarios = tokio::spawn(scenarios::run(
+        h.clone(),
+        StdRng::seed_from_u64(seed ^ 0x5eed_0003),
+        phase_end,
+    ));
+    let retention = tokio::spawn(operator::run(
+        h.clone(),
+        StdRng::seed_from_u64(seed ^ 0x0be7_0004),
+        phase_end,
+    ));
     let nemesis = nemesis::run(
         h.clone(),
         StdRng::seed_from_u64(seed ^ 0xfa17_0002),
@@ -280,6 +286,8 @@ async fn run(
     );
     let background = nemesis.await;
     let mut gen = workload.await.map_err(|e| e.to_string())?;
+    scenarios.await.map_err(|e| e.to_string())?;
+    retention.await.map_err(|e| e.to_string())?;
 
     // Heal: every fault undone, every worker running.
     for task in background {
@@ -340,7 +348,11 @@ async fn run(
         )
         .await;
     }
+    clock_stop.cancel();
+    let _ = clock_task.await;
+    info.clock = clock.lock().unwrap().clone();
     crate::drain::dump(&h.admin, &out).await?;
+    h.host.close().await;
     info.effect_server = h.effects.stats();
     info.refused = h.seen.lock().unwrap().refused.clone();
     h.admin.close().await;
@@ -361,39 +373,6 @@ async fn run(
     print!("{}", report.text);
     std::fs::write(out.join("report.txt"), &report.text).map_err(|e| e.to_string())?;
     Ok(report.pass)
-}
-
-async fn setup_database(port: u16) -> Result<PgPool, String> {
-    let base = PgConnectOptions::new()
-        .host("127.0.0.1")
-        .port(port)
-        .username("postgres")
-        .ssl_mode(PgSslMode::Disable)
-        .application_name("chaos-harness");
-    let boot = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(base.clone().database("postgres"))
-        .await
-        .map_err(|e| format!("connect to the cluster: {e}"))?;
-    for sql in [
-        "CREATE DATABASE chaos",
-        "CREATE ROLE chaos_worker LOGIN SUPERUSER",
-        // A worker paused inside a transaction must not hold row locks for long.
-        "ALTER ROLE chaos_worker SET idle_in_transaction_session_timeout = '3s'",
-        "ALTER ROLE chaos_worker SET statement_timeout = '15s'",
-    ] {
-        sqlx::query(sql)
-            .execute(&boot)
-            .await
-            .map_err(|e| format!("{sql}: {e}"))?;
-    }
-    boot.close().await;
-    PgPoolOptions::new()
-        .max_connections(6)
-        .acquire_timeout(Duration::from_secs(4))
-        .connect_with(base.database("chaos"))
-        .await
-        .map_err(|e| format!("connect to chaos: {e}"))
 }
 
 impl Harness {
@@ -479,6 +458,7 @@ impl Harness {
             pid,
             started_us: running.started_us,
             ended_us: now_us(),
+            ended_mono_ns: now_mono_ns(),
             how,
         });
         hit

@@ -4,6 +4,7 @@
 //!     cargo run --example chaos -- short [--seed N]      # CI profile, a few minutes
 //!     cargo run --release --example chaos -- long        # >= 100,000 jobs, >= 500 faults
 //!     cargo run --example chaos -- check target/chaos/<seed>
+//!     cargo run --example chaos -- selftest                   # the checker's own tests
 //!
 //! The harness starts its own PostgreSQL 15 cluster (initdb as `postgres` into a temp
 //! dir, a free loopback port), an effect server and one TCP fault proxy per worker, then
@@ -19,16 +20,24 @@
 //! `worker`, `effects` (effect server), `proxy`, `cluster`, `procs` (child processes,
 //! watchdog), `model` (artifact formats), `check` (the checker), `profile`.
 
+mod attempt;
 mod check;
 mod cluster;
+mod dbsetup;
 mod drain;
 mod effects;
 mod harness;
+mod kinds;
 mod model;
 mod nemesis;
+mod nemesis_host;
+mod nemesis_operator;
+mod nemesis_plan;
+mod operator;
 mod procs;
 mod profile;
 mod proxy;
+mod scenarios;
 mod worker;
 mod workload;
 
@@ -37,10 +46,13 @@ fn main() {
     match args.first().map(String::as_str) {
         Some("worker") => worker::main(&args[1..]),
         Some("check") => check::main(&args[1..]),
+        Some("selftest") => check::selftest::main(),
         Some(p @ ("short" | "long")) => harness::main(p, &args[1..]),
         None => harness::main("short", &[]),
         Some(other) => {
-            eprintln!("chaos: unknown command {other:?}; use short, long, check or worker");
+            eprintln!(
+                "chaos: unknown command {other:?}; use short, long, check, selftest or worker"
+            );
             std::process::exit(2)
         }
     }

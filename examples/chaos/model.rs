@@ -1,9 +1,16 @@
 //! The artifacts a run leaves behind, shared by the harness, the workers and the checker.
 //!
 //! Every file is JSON lines (one record a line) or one JSON document, under
-//! `target/chaos/<seed>/`. Times are microseconds since the Unix epoch on the host clock,
-//! which is also the database's clock (same machine), so the checker can line up fault
-//! windows with `job_events.at`.
+//! `target/chaos/<seed>/`. Two clocks are recorded:
+//!
+//! - `*_us`: wall-clock microseconds since the Unix epoch. The database runs on the same
+//!   machine, so this is also its clock, and the checker lines worker events up with
+//!   `job_events.at` and `lease_expiries.lease_until` through it. The harness measures
+//!   how far apart the two are (`RunInfo::clock`); the checker allows [`DB_CLOCK_BOUND_US`]
+//!   and fails the run if the measurement exceeds it.
+//! - `*mono_ns`: `CLOCK_MONOTONIC` nanoseconds. One clock for every process of one boot
+//!   (the kernel's, not per process), never stepped: handler intervals of different
+//!   processes are compared on it directly.
 
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -18,6 +25,48 @@ pub fn now_us() -> i64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_micros() as i64)
         .unwrap_or(0)
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the same clock in every process on this machine
+/// (std's `Instant` is opaque, so it cannot be written down and compared across
+/// processes).
+pub fn now_mono_ns() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
+    }
+    // timespec fields are i64 on the 64-bit Linux this harness runs on.
+    #[allow(clippy::unnecessary_cast)]
+    let ns = ts.tv_sec as i64 * 1_000_000_000 + ts.tv_nsec as i64;
+    ns
+}
+
+/// How far a worker's wall clock may be from the database's when the checker compares a
+/// handler start with a database deadline (same machine: one clock, read through two
+/// system calls and a network round trip). The harness measures the real figure every
+/// second (`RunInfo::clock`); a run whose measurement exceeds this bound fails.
+pub const DB_CLOCK_BOUND_US: i64 = 5_000;
+
+/// Tolerance when comparing two `CLOCK_MONOTONIC` readings of different processes: the
+/// clock is shared, so this only covers the time to write a log line.
+pub const MONO_BOUND_NS: i64 = 1_000_000;
+
+/// The harness's clock measurements: the database's clock against the harness's wall
+/// clock (`clock_timestamp()` between two local readings), taken every second.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ClockInfo {
+    pub samples: u64,
+    /// Samples with a round trip under 2 ms, the ones the figures below come from.
+    pub good_samples: u64,
+    /// Largest |database - local midpoint| seen, µs.
+    pub max_offset_us: i64,
+    /// Largest round trip of a good sample, µs (each sample's uncertainty is half of it).
+    pub max_rtt_us: i64,
+    /// The bound the checker allows ([`DB_CLOCK_BOUND_US`]).
+    pub bound_us: i64,
 }
 
 /// `run.json`: what was run, with which timing, and when each phase ended.
@@ -53,6 +102,15 @@ pub struct RunInfo {
     pub refused: std::collections::BTreeMap<String, u64>,
     /// Operator actions the drain took (release holds, cancel unknown kinds, unblock keys).
     pub drain_actions: std::collections::BTreeMap<String, u64>,
+    /// Database clock against the harness's wall clock.
+    #[serde(default)]
+    pub clock: ClockInfo,
+    /// The worker's result size cap (`StoreOptions::max_result_bytes`).
+    #[serde(default)]
+    pub max_result_bytes: usize,
+    /// The drain stopped early: only keys nothing can move were left open.
+    #[serde(default)]
+    pub drain_stranded: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -73,14 +131,21 @@ pub struct EnqueueRecord {
     pub kind: String,
     pub key: Option<String>,
     /// `ok` (acknowledged, with id), `info` (outcome unknown: connection lost),
-    /// `refused` (typed error, nothing written by contract).
+    /// `refused` (typed error, nothing written by contract), `rolled_back` (enqueued in
+    /// a host transaction that then rolled back: no row may exist).
     pub status: String,
     pub id: Option<i64>,
     pub error: Option<String>,
-    /// What the job is expected to do: `done`, `dead`, `unknown_kind`, `probe`...
+    /// What the job is expected to do: `done`, `dead`, `unknown_kind`, `probe`,
+    /// `poison_result` (dead, reason names the result), `poison_payload` (dead, reason
+    /// says the payload cannot be decoded)...
     pub expect: String,
     pub max_attempts: i32,
     pub t_us: i64,
+    /// The workload scenario or fault that enqueued it (`flood`, `chain`, `cancel_chain`,
+    /// `dead_head`, `poison`, `neighbour`, `txhold`, `deep`, `host_enqueue_*`), if any.
+    #[serde(default)]
+    pub scenario: Option<String>,
 }
 
 /// `faults.jsonl`: one line per injected fault (or operator action).
@@ -93,6 +158,46 @@ pub struct FaultRecord {
     pub end_us: i64,
     /// The fault took effect (a process was signalled, a backend terminated, ...).
     pub hit: bool,
+    pub detail: String,
+    /// Jobs the fault acted on (row locks, operator cancels), when it names them.
+    #[serde(default)]
+    pub jobs: Vec<i64>,
+    /// The ordering key the fault acted on (host transactions), if any.
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub start_mono_ns: i64,
+    #[serde(default)]
+    pub end_mono_ns: i64,
+}
+
+impl FaultRecord {
+    pub fn new(kind: &str, target: String, start_us: i64, hit: bool, detail: String) -> Self {
+        FaultRecord {
+            kind: kind.into(),
+            target,
+            start_us,
+            end_us: now_us(),
+            hit,
+            detail,
+            jobs: Vec::new(),
+            key: None,
+            start_mono_ns: 0,
+            end_mono_ns: now_mono_ns(),
+        }
+    }
+}
+
+/// `operator.jsonl`: the retention loop's prunes and retries of dead jobs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OperatorRecord {
+    pub t_us: i64,
+    /// `prune` or `retry_dead`.
+    pub action: String,
+    pub ok: bool,
+    /// Jobs deleted (prune) or the job retried (retry_dead).
+    pub jobs: Vec<i64>,
+    pub n: u64,
     pub detail: String,
 }
 
@@ -114,12 +219,23 @@ pub struct EffectLog {
 }
 
 /// A worker history line (`workers/w<n>.<inc>.jsonl`).
+///
+/// Per attempt: `start` when the handler begins (before any of its work), `effect` just
+/// before each call to the effect server, `end` when the handler's future is dropped (a
+/// drop guard, so an attempt that panicked or whose task was aborted still has one;
+/// outcome `dropped` if the handler never said how it ended). A SIGKILLed process writes
+/// no `end`: its open attempts end when the harness reaped the process.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct HistoryLine {
     pub t_us: i64,
+    /// `CLOCK_MONOTONIC`, ns (0 in histories written before the second edition).
+    #[serde(default)]
+    pub mono_ns: i64,
     pub w: usize,
     pub inc: u32,
-    /// `up` (with owner), `start`, `end`, `term`, `down`.
+    #[serde(default)]
+    pub pid: u32,
+    /// `up` (with owner), `start`, `effect`, `end`, `term`, `down`.
     pub ev: String,
     #[serde(default)]
     pub owner: Option<String>,
@@ -135,9 +251,13 @@ pub struct HistoryLine {
     pub key: Option<String>,
     #[serde(default)]
     pub key_seq: Option<i64>,
-    /// For `end`: `ok`, `err`, `panic`, `cancelled`.
+    /// For `end`: `ok`, `err`, `panic`, `stale`, `dropped` (aborted, or ended without
+    /// saying how).
     #[serde(default)]
     pub outcome: String,
+    /// For `effect`: the step.
+    #[serde(default)]
+    pub step: String,
     /// Effects whose recorded outcome was reused from the ledger (no call made).
     #[serde(default)]
     pub ledger_hits: u32,
@@ -152,7 +272,11 @@ pub struct ProcessRecord {
     pub inc: u32,
     pub pid: u32,
     pub started_us: i64,
+    /// When the harness had reaped the process (`waitpid` returned): after its last
+    /// instruction.
     pub ended_us: i64,
+    #[serde(default)]
+    pub ended_mono_ns: i64,
     /// `killed`, `terminated`, `stopped_at_end`, `exited(<code>)`.
     pub how: String,
 }

@@ -5,98 +5,28 @@
 //! left running, and only one database-wide fault runs at a time. A fault that found
 //! nothing to hit (no listener connected at that moment, no holdable job) is retried
 //! until its kind has been hit once: a run that misses a kind fails the check.
+//!
+//! The faults a host makes (a long transaction holding a hot key, a session locking
+//! running rows) are in [`crate::nemesis_host`]; an operator's (hold, cancel, cancel of
+//! a running head) in [`crate::nemesis_operator`].
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold::{JobId, OwnerId};
+use leasehold::OwnerId;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::Rng;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::harness::{Harness, WorkerSlot};
-use crate::model::{now_us, FaultRecord};
+use crate::model::FaultRecord;
 use crate::procs;
 use crate::proxy::Mode;
 
-/// Every fault kind with its weight in the random part of the schedule.
-pub const FAULTS: [(&str, u32); 15] = [
-    ("sigkill", 10),
-    ("sigstop", 12),
-    ("sigterm", 5),
-    ("pg_terminate_worker", 10),
-    ("pg_terminate_listener", 6),
-    ("pg_restart_fast", 3),
-    ("pg_restart_immediate", 3),
-    ("proxy_delay", 8),
-    ("proxy_blackhole", 8),
-    ("proxy_blackhole_renewer", 10),
-    ("proxy_cut", 8),
-    ("reaper_race", 6),
-    ("effect_reply_lost", 6),
-    ("manual_hold", 6),
-    ("manual_cancel", 6),
-];
-
-#[derive(Clone, Debug)]
-pub struct Planned {
-    pub gap_ms: u64,
-    pub kind: &'static str,
-    pub target: usize,
-    pub dur_ms: u64,
-    pub n: u64,
-}
-
-/// The schedule for a seed (as long as any profile can use).
-pub fn plan(rng: &mut StdRng, lease_ms: u64, gap: (u64, u64), len: usize) -> Vec<Planned> {
-    let mut kinds: Vec<&'static str> = FAULTS.iter().map(|f| f.0).collect();
-    kinds.shuffle(rng);
-    let total: u32 = FAULTS.iter().map(|f| f.1).sum();
-    while kinds.len() < len {
-        let mut x = rng.gen_range(0..total);
-        for (k, w) in FAULTS {
-            if x < w {
-                kinds.push(k);
-                break;
-            }
-            x -= w;
-        }
-    }
-    let lease = lease_ms as f64;
-    kinds
-        .into_iter()
-        .map(|kind| {
-            let (dur_ms, n) = match kind {
-                "sigstop" | "proxy_blackhole" => ((lease * rng.gen_range(1.5..2.5)) as u64, 0),
-                // n = 1: every worker's renewer at once (a stall of all renewals).
-                "proxy_blackhole_renewer" => (
-                    (lease * rng.gen_range(1.5..2.5)) as u64,
-                    rng.gen_bool(0.4) as u64,
-                ),
-                "proxy_delay" => (rng.gen_range(1500..3000), rng.gen_range(30..250)),
-                "sigkill" => (0, rng.gen_range(200..800)),
-                "reaper_race" => (1500, 0),
-                "effect_reply_lost" => (0, rng.gen_range(2..5)),
-                "manual_hold" => (rng.gen_range(500..3000), 4),
-                "manual_cancel" => (0, 3),
-                "pg_terminate_worker" => (0, rng.gen_range(1..4)),
-                "proxy_cut" => (0, rng.gen_bool(0.3) as u64),
-                _ => (0, 0),
-            };
-            Planned {
-                gap_ms: rng.gen_range(gap.0..gap.1),
-                kind,
-                target: rng.gen_range(0..1000),
-                dur_ms,
-                n,
-            }
-        })
-        .collect()
-}
+pub use crate::nemesis_plan::{plan, Planned, Start, FAULTS};
 
 /// Run the schedule until `phase_end`. Returns the tasks still healing (SIGCONT, end
 /// of a blackhole...), for the caller to await.
@@ -141,23 +71,30 @@ pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) -> Vec<Jo
     background
 }
 
-fn record(h: &Harness, kind: &str, target: String, start_us: i64, hit: bool, detail: String) {
+pub fn record(h: &Harness, kind: &str, target: String, start: Start, hit: bool, detail: String) {
+    record_with(
+        h,
+        start,
+        FaultRecord::new(kind, target, start.us, hit, detail),
+    );
+}
+
+/// Record a fault built by the caller (with the jobs or key it acted on).
+pub fn record_with(h: &Harness, start: Start, mut rec: FaultRecord) {
+    rec.start_us = start.us;
+    rec.start_mono_ns = start.mono;
     if std::env::var("CHAOS_QUIET").is_err() {
-        println!("chaos: fault {kind:<22} {target:<4} hit={hit} {detail}",);
+        println!(
+            "chaos: fault {:<22} {:<4} hit={} {}",
+            rec.kind, rec.target, rec.hit, rec.detail
+        );
     }
-    h.record_fault(FaultRecord {
-        kind: kind.into(),
-        target,
-        start_us,
-        end_us: now_us(),
-        hit,
-        detail,
-    });
+    h.record_fault(rec);
 }
 
 /// Pick an idle worker and mark it busy. `stopping`: the fault takes the worker out, so
 /// at least one other worker must stay up.
-async fn pick(h: &Harness, target: usize, stopping: bool) -> Option<Arc<WorkerSlot>> {
+pub async fn pick(h: &Harness, target: usize, stopping: bool) -> Option<Arc<WorkerSlot>> {
     for _ in 0..25 {
         let busy = h.slots.iter().filter(|s| s.busy.load(SeqCst)).count();
         if !(stopping && busy + 1 >= h.slots.len()) {
@@ -178,15 +115,55 @@ async fn pick(h: &Harness, target: usize, stopping: bool) -> Option<Arc<WorkerSl
     None
 }
 
+/// The proxies recognise the lease renewer's connection by its application_name.
+const RENEWER: &str = "leasehold-renewer";
+
+/// A worker running a long job claimed within the last second, if any.
+async fn fresh_long_job_worker(h: &Harness) -> Option<usize> {
+    let owners: Vec<String> = sqlx::query_scalar(
+        "SELECT owner FROM leasehold.jobs WHERE state = 'running' AND kind = 'slow' \
+         AND claimed_at > now() - interval '1 second'",
+    )
+    .fetch_all(&h.admin)
+    .await
+    .unwrap_or_default();
+    h.slots
+        .iter()
+        .position(|s| h.owner_of(s).map(|o| owners.contains(&o)).unwrap_or(false))
+}
+
+/// [`pick`], preferring the worker at index `preferred` when it is idle.
+pub async fn pick_preferring(
+    h: &Harness,
+    preferred: Option<usize>,
+    target: usize,
+    stopping: bool,
+) -> Option<Arc<WorkerSlot>> {
+    if let Some(s) = preferred.and_then(|i| h.slots.get(i)) {
+        let busy = h.slots.iter().filter(|s| s.busy.load(SeqCst)).count();
+        let may = !(stopping && busy + 1 >= h.slots.len()) && s.proc.lock().unwrap().is_some();
+        if may && s.busy.compare_exchange(false, true, SeqCst, SeqCst).is_ok() {
+            return Some(s.clone());
+        }
+    }
+    pick(h, target, stopping).await
+}
+
 fn pid_of(slot: &WorkerSlot) -> Option<u32> {
     slot.proc.lock().unwrap().as_ref().map(|r| r.child.id())
 }
 
 /// Apply one fault. Long faults return their healing task.
 async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinHandle<()>> {
-    let start = now_us();
+    let start = Start::now();
     let kind = p.kind;
     match kind {
+        "row_lock" | "host_enqueue_commit" | "host_enqueue_rollback" => {
+            crate::nemesis_host::inject(h, p, rng).await
+        }
+        "manual_hold" | "manual_cancel" | "cancel_running_head" => {
+            crate::nemesis_operator::inject(h, p, rng).await
+        }
         "sigkill" => {
             let slot = pick(h, p.target, true).await?;
             let hit = h
@@ -242,26 +219,43 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
             let h = h.clone();
             let p = p.clone();
             Some(tokio::spawn(async move {
+                let mut held = 0;
                 for slot in &h.slots {
-                    slot.proxy.partition_app(Some("leasehold-renewer"));
+                    held += slot.proxy.partition_app(Some(RENEWER));
                 }
                 tokio::time::sleep(Duration::from_millis(p.dur_ms)).await;
+                let mut closed = 0;
                 for slot in &h.slots {
-                    slot.proxy.partition_app(None);
+                    closed += slot.proxy.partition_app(None);
                 }
                 let detail = format!(
-                    "every renewer, {}ms (lease {}ms)",
+                    "every renewer, {}ms (lease {}ms); {held} renewer connection(s) held open, {closed} closed while held",
                     p.dur_ms, h.profile.lease_ms
                 );
-                record(&h, p.kind, "all".into(), start, true, detail);
+                record(
+                    &h,
+                    p.kind,
+                    "all".into(),
+                    start,
+                    held > 0 && closed == 0,
+                    detail,
+                );
             }))
         }
         "sigstop" | "proxy_blackhole" | "proxy_blackhole_renewer" | "proxy_delay" => {
-            let slot = pick(h, p.target, kind != "proxy_delay").await?;
+            // A hung renewal matters while a handler outlives the lease: aim at a worker
+            // that has just started a long job.
+            let preferred = if kind == "proxy_blackhole_renewer" {
+                fresh_long_job_worker(h).await
+            } else {
+                None
+            };
+            let slot = pick_preferring(h, preferred, p.target, kind != "proxy_delay").await?;
             let h = h.clone();
             let p = p.clone();
             Some(tokio::spawn(async move {
                 let pid = pid_of(&slot);
+                let (mut held, mut closed) = (0, 0);
                 let hit = match p.kind {
                     "sigstop" => pid
                         .map(|pid| procs::signal(pid, libc::SIGSTOP))
@@ -271,9 +265,10 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                         true
                     }
                     // A partial partition: the worker claims and completes, but its
-                    // renewals hang, so its leases expire while it believes it owns them.
+                    // renewals hang (the connection stays open, nothing comes back), so
+                    // its leases expire while it believes it owns them.
                     "proxy_blackhole_renewer" => {
-                        slot.proxy.partition_app(Some("leasehold-renewer"));
+                        held = slot.proxy.partition_app(Some(RENEWER));
                         true
                     }
                     _ => {
@@ -290,15 +285,21 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                     }
                     _ => {
                         slot.proxy.set(Mode::Pass);
-                        slot.proxy.partition_app(None);
+                        closed = slot.proxy.partition_app(None);
                     }
                 }
                 slot.busy.store(false, SeqCst);
                 let detail = if p.kind == "proxy_delay" {
                     format!("{}ms per chunk for {}ms", p.n, p.dur_ms)
+                } else if p.kind == "proxy_blackhole_renewer" {
+                    format!(
+                        "{}ms (lease {}ms); {held} renewer connection(s) held open, {closed} closed while held",
+                        p.dur_ms, h.profile.lease_ms
+                    )
                 } else {
                     format!("{}ms (lease {}ms)", p.dur_ms, h.profile.lease_ms)
                 };
+                let hit = hit && (p.kind != "proxy_blackhole_renewer" || (held > 0 && closed == 0));
                 record(&h, p.kind, format!("w{}", slot.id), start, hit, detail);
             }))
         }
@@ -387,7 +388,7 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
         }
         "reaper_race" => {
             let _g = h.pg_lock.lock().await;
-            let owner = OwnerId::named("chaos-reaper-race");
+            let owner = OwnerId::named(crate::check::RACE_REAPER);
             let prof = &h.profile;
             let backoff = leasehold::Backoff {
                 base: Duration::from_millis(prof.backoff_base_ms),
@@ -423,98 +424,6 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
                 start,
                 dropped > 0,
                 format!("armed {}, dropped {dropped} so far", p.n),
-            );
-            None
-        }
-        "manual_hold" => {
-            let candidates: Vec<i64> = h
-                .seen
-                .lock()
-                .unwrap()
-                .delayed
-                .iter()
-                .rev()
-                .take(30)
-                .copied()
-                .collect();
-            let chosen: Vec<i64> = candidates
-                .choose_multiple(rng, p.n as usize)
-                .copied()
-                .collect();
-            let mut held = Vec::new();
-            for id in chosen {
-                let r = tokio::time::timeout(Duration::from_secs(5), h.store.hold(JobId(id))).await;
-                if matches!(r, Ok(Ok(_))) {
-                    held.push(id);
-                }
-            }
-            record(
-                h,
-                kind,
-                "jobs".into(),
-                start,
-                !held.is_empty(),
-                format!("held {held:?}; release after {}ms", p.dur_ms),
-            );
-            let h2 = h.clone();
-            let after = p.dur_ms;
-            Some(tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(after)).await;
-                let start = now_us();
-                let mut released = 0;
-                for id in &held {
-                    let r = tokio::time::timeout(
-                        Duration::from_secs(5),
-                        h2.store.release_hold(JobId(*id)),
-                    )
-                    .await;
-                    released += matches!(r, Ok(Ok(()))) as u32;
-                }
-                if !held.is_empty() {
-                    record(
-                        &h2,
-                        "manual_release",
-                        "jobs".into(),
-                        start,
-                        released > 0,
-                        format!("released {released} of {}", held.len()),
-                    );
-                }
-            }))
-        }
-        "manual_cancel" => {
-            let candidates: Vec<i64> = h
-                .seen
-                .lock()
-                .unwrap()
-                .recent
-                .iter()
-                .rev()
-                .take(200)
-                .copied()
-                .collect();
-            let chosen: Vec<i64> = candidates
-                .choose_multiple(rng, p.n as usize)
-                .copied()
-                .collect();
-            let mut cancelled = Vec::new();
-            for id in chosen {
-                let r = tokio::time::timeout(
-                    Duration::from_secs(5),
-                    h.store.cancel(JobId(id), "chaos operator cancel"),
-                )
-                .await;
-                if matches!(r, Ok(Ok(_))) {
-                    cancelled.push(id);
-                }
-            }
-            record(
-                h,
-                kind,
-                "jobs".into(),
-                start,
-                !cancelled.is_empty(),
-                format!("cancelled {cancelled:?}"),
             );
             None
         }

@@ -4,8 +4,15 @@
 //! `application_name` (read from the startup packet; e.g. only the lease renewer's
 //! connection is partitioned while claims and completions go through) and `cut` (every
 //! open connection is closed).
+//!
+//! A blackhole hangs, it never closes: the sockets stay open and nothing is forwarded
+//! either way, so the client sees a statement that never answers (not an error). The
+//! partial blackhole counts the connections it holds and any that closed while held, so
+//! the nemesis can record that the renewer's connection really hung.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -22,10 +29,15 @@ pub enum Mode {
 pub struct Proxy {
     pub port: u16,
     mode: watch::Sender<Mode>,
-    /// Connections whose application_name starts with this are blackholed.
+    /// Connections whose application_name starts with this are blackholed (the scheduler
+    /// names its own `leasehold-<role> <pid>:<nonce>`).
     partial: watch::Sender<Option<String>>,
     cuts: watch::Sender<u64>,
     open: Arc<std::sync::atomic::AtomicU64>,
+    /// application_name of each open connection, by connection number.
+    apps: Arc<Mutex<HashMap<u64, String>>>,
+    /// Connections that ended while their partial blackhole held them.
+    closed_held: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -35,20 +47,34 @@ impl Proxy {
         let (mode, mode_rx) = watch::channel(Mode::Pass);
         let (partial, partial_rx) = watch::channel(None);
         let (cuts, cuts_rx) = watch::channel(0u64);
-        let open = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let open2 = open.clone();
+        let open = Arc::new(AtomicU64::new(0));
+        let apps: Arc<Mutex<HashMap<u64, String>>> = Arc::default();
+        let closed_held = Arc::new(AtomicU64::new(0));
+        let (open2, apps2, closed2) = (open.clone(), apps.clone(), closed_held.clone());
         tokio::spawn(async move {
+            let mut conn = 0u64;
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 };
+                conn += 1;
                 let (m, c, o) = (mode_rx.clone(), cuts_rx.clone(), open2.clone());
                 let pm = partial_rx.clone();
+                let seen = Seen {
+                    conn,
+                    apps: apps2.clone(),
+                    closed_held: closed2.clone(),
+                };
                 tokio::spawn(async move {
-                    o.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    let _ = relay(client, upstream_port, m, pm, c).await;
-                    o.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    o.fetch_add(1, SeqCst);
+                    let _ = relay(client, upstream_port, m, pm.clone(), c, &seen).await;
+                    if let Some(app) = seen.apps.lock().unwrap().remove(&seen.conn) {
+                        if pm.borrow().as_deref() == Some(app.as_str()) {
+                            seen.closed_held.fetch_add(1, SeqCst);
+                        }
+                    }
+                    o.fetch_sub(1, SeqCst);
                 });
             }
         });
@@ -58,6 +84,8 @@ impl Proxy {
             partial,
             cuts,
             open,
+            apps,
+            closed_held,
         })
     }
 
@@ -65,17 +93,37 @@ impl Proxy {
         let _ = self.mode.send(mode);
     }
 
-    /// Blackhole only the connections whose application_name starts with this (None: heal).
-    pub fn partition_app(&self, app: Option<&str>) {
-        let _ = self.partial.send(app.map(str::to_string));
+    /// Blackhole only the connections whose application_name starts with this. Returns how
+    /// many such connections are open (and now held). `None` heals, and returns how
+    /// many held connections closed while held (a hang must not turn into an error).
+    pub fn partition_app(&self, app: Option<&str>) -> u64 {
+        match app {
+            Some(app) => {
+                self.closed_held.store(0, SeqCst);
+                let _ = self.partial.send(Some(app.to_string()));
+                let apps = self.apps.lock().unwrap();
+                apps.values().filter(|a| a.starts_with(app)).count() as u64
+            }
+            None => {
+                let _ = self.partial.send(None);
+                self.closed_held.swap(0, SeqCst)
+            }
+        }
     }
 
     /// Close every open connection; returns how many were open.
     pub fn cut(&self) -> u64 {
-        let n = self.open.load(std::sync::atomic::Ordering::SeqCst);
+        let n = self.open.load(SeqCst);
         self.cuts.send_modify(|c| *c += 1);
         n
     }
+}
+
+/// What a relay reports about its connection.
+struct Seen {
+    conn: u64,
+    apps: Arc<Mutex<HashMap<u64, String>>>,
+    closed_held: Arc<AtomicU64>,
 }
 
 async fn relay(
@@ -84,6 +132,7 @@ async fn relay(
     mode: watch::Receiver<Mode>,
     partial: watch::Receiver<Option<String>>,
     mut cuts: watch::Receiver<u64>,
+    seen: &Seen,
 ) -> std::io::Result<()> {
     cuts.borrow_and_update();
     // The startup packet (no SSLRequest: workers connect with sslmode=disable) names
@@ -97,6 +146,7 @@ async fn relay(
     let mut startup = vec![0u8; n - 4];
     client.read_exact(&mut startup).await?;
     let app = application_name(&startup);
+    seen.apps.lock().unwrap().insert(seen.conn, app.clone());
     let mut server = TcpStream::connect(("127.0.0.1", upstream_port)).await?;
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;

@@ -1,6 +1,8 @@
 //! The seeded workload: a mix of keyed and unkeyed jobs, hot keys, external effects,
 //! failures that retry, and bad input. Every enqueue is logged with its outcome
 //! (`ok` with the id, `info` when the outcome is unknown, `refused` for a typed error).
+//! The scenarios that need a shape rather than a mix (floods, chains, poison) are in
+//! [`crate::scenarios`].
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,9 +12,10 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use serde_json::json;
 
+use crate::harness::Harness;
+use crate::kinds::Work;
 use crate::model::{now_us, EnqueueRecord, Jsonl};
 use crate::profile::Profile;
-use crate::worker::Work;
 
 pub const UNKNOWN_KIND: &str = "no_such_kind";
 
@@ -24,10 +27,28 @@ pub struct Spec {
     pub payload: serde_json::Value,
     pub max_attempts: i32,
     pub delay_ms: u64,
+    /// Claim order: lower first (0 unless a scenario says otherwise).
+    pub priority: i16,
     pub expect: &'static str,
+    /// The scenario that made it (see [`crate::scenarios`]).
+    pub scenario: Option<&'static str>,
 }
 
 impl Spec {
+    pub fn new(cid: u64, kind: &str, payload: serde_json::Value, expect: &'static str) -> Spec {
+        Spec {
+            cid,
+            kind: kind.into(),
+            key: None,
+            payload,
+            max_attempts: 12,
+            delay_ms: 0,
+            priority: 0,
+            expect,
+            scenario: None,
+        }
+    }
+
     fn job(&self) -> NewJob {
         let mut j = NewJob::from_json(self.kind.clone(), self.payload.clone())
             .with_max_attempts(self.max_attempts);
@@ -36,6 +57,9 @@ impl Spec {
         }
         if self.delay_ms > 0 {
             j = j.with_delay(Duration::from_millis(self.delay_ms));
+        }
+        if self.priority != 0 {
+            j = j.with_priority(self.priority);
         }
         j
     }
@@ -51,18 +75,19 @@ impl Spec {
             expect: self.expect.into(),
             max_attempts: self.max_attempts,
             t_us: now_us(),
+            scenario: self.scenario.map(str::to_string),
         }
     }
 }
 
-fn work(cid: u64) -> Work {
+pub fn work(cid: u64) -> Work {
     Work {
         cid,
         ..Default::default()
     }
 }
 
-fn to_json(w: &Work) -> serde_json::Value {
+pub fn to_json(w: &Work) -> serde_json::Value {
     serde_json::to_value(w).unwrap()
 }
 
@@ -79,13 +104,13 @@ impl Generator {
         }
     }
 
-    fn cid(&mut self) -> u64 {
+    pub fn cid(&mut self) -> u64 {
         let c = self.next_cid;
         self.next_cid += 1;
         c
     }
 
-    fn key(&self, rng: &mut StdRng) -> String {
+    pub fn key(&self, rng: &mut StdRng) -> String {
         let p = &self.profile;
         if rng.gen_bool(0.3) {
             format!("hot-{}", rng.gen_range(0..p.hot_keys))
@@ -107,7 +132,9 @@ impl Generator {
                 payload: json!({ "cid": cid, "amount": "lots" }),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "dead",
+                scenario: None,
             });
             let cid = self.cid();
             out.push(Spec {
@@ -117,7 +144,9 @@ impl Generator {
                 payload: json!({ "cid": cid }),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "unknown_kind",
+                scenario: None,
             });
             let cid = self.cid();
             let mut w = work(cid);
@@ -129,7 +158,9 @@ impl Generator {
                 payload: to_json(&w),
                 max_attempts: 3,
                 delay_ms: 0,
+                priority: 0,
                 expect: if i % 2 == 0 { "done" } else { "dead" },
+                scenario: None,
             });
             let cid = self.cid();
             let mut w = work(cid);
@@ -141,7 +172,9 @@ impl Generator {
                 payload: to_json(&w),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "done",
+                scenario: None,
             });
             let cid = self.cid();
             let mut w = work(cid);
@@ -154,10 +187,34 @@ impl Generator {
                 payload: to_json(&w),
                 max_attempts: 12,
                 delay_ms: 0,
+                priority: 0,
                 expect: "dead",
+                scenario: None,
             });
         }
         out
+    }
+
+    /// A payload nested past serde_json's recursion limit, through the enqueue API: the
+    /// library must refuse it (`Error::InvalidPayload`) rather than store a job no
+    /// claim can decode. (The `deep` scenario writes such rows with raw SQL instead.)
+    pub fn too_deep(&mut self) -> Spec {
+        let cid = self.cid();
+        let mut deep = json!(1);
+        for _ in 0..crate::scenarios::DEEP_NESTING {
+            deep = json!({ "a": deep });
+        }
+        Spec {
+            cid,
+            kind: "charge".into(),
+            key: None,
+            payload: json!({ "cid": cid, "deep": deep }),
+            max_attempts: 3,
+            delay_ms: 0,
+            priority: 0,
+            expect: "refused",
+            scenario: Some("deep_via_api"),
+        }
     }
 
     pub fn oversized(&mut self) -> Spec {
@@ -171,7 +228,9 @@ impl Generator {
             payload: to_json(&w),
             max_attempts: 12,
             delay_ms: 0,
+            priority: 0,
             expect: "refused",
+            scenario: None,
         }
     }
 
@@ -186,7 +245,9 @@ impl Generator {
             payload: to_json(&w),
             max_attempts: 12,
             delay_ms: 0,
+            priority: 0,
             expect: "probe",
+            scenario: None,
         }
     }
 
@@ -203,7 +264,9 @@ impl Generator {
             payload: json!(null),
             max_attempts: 12,
             delay_ms: 0,
+            priority: 0,
             expect: "done",
+            scenario: None,
         };
         match roll {
             0..=349 => {
@@ -281,6 +344,41 @@ impl Generator {
         spec.payload = to_json(&w);
         spec
     }
+}
+
+/// Enqueue the random mix through the fault phase (and the bad input first), at the
+/// profile's rate; returns the generator for the probes after the faults.
+pub async fn run(
+    h: Arc<Harness>,
+    mut gen: Generator,
+    mut rng: StdRng,
+    phase_end: tokio::time::Instant,
+) -> Generator {
+    let profile = h.profile.clone();
+    let bad = gen.bad_input();
+    enqueue_batch(&h.store, bad, &h.enqueue_log, &h.seen).await;
+    enqueue_batch(&h.store, vec![gen.too_deep()], &h.enqueue_log, &h.seen).await;
+    let ticks = (profile.fault_phase.as_millis() / 100).max(1) as f64;
+    let per_tick = profile.jobs as f64 / ticks;
+    let mut owed = 0.0;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    while tokio::time::Instant::now() < phase_end {
+        tick.tick().await;
+        owed += per_tick;
+        let n = owed.floor() as usize;
+        owed -= n as f64;
+        let specs: Vec<_> = (0..n).map(|_| gen.draw(&mut rng)).collect();
+        let (single, batch): (Vec<_>, Vec<_>) = specs.into_iter().partition(|_| rng.gen_bool(0.05));
+        enqueue_batch(&h.store, batch, &h.enqueue_log, &h.seen).await;
+        for s in single {
+            enqueue_batch(&h.store, vec![s], &h.enqueue_log, &h.seen).await;
+        }
+        if rng.gen_bool(0.01) {
+            enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
+        }
+    }
+    enqueue_batch(&h.store, vec![gen.oversized()], &h.enqueue_log, &h.seen).await;
+    gen
 }
 
 /// Shared by the generator and the nemesis: ids the operator may act on.

@@ -131,16 +131,17 @@ fn ledger(c: &Input, f: &mut Findings) {
     }
 }
 
-/// Per key, the first applies at the server follow key_seq. Cancelled jobs are left out:
-/// an operator may cancel a running head, whose stale attempt can still act.
+/// Per key (and key epoch: retention restarts a key's sequence once it has no open
+/// job), the first applies at the server follow key_seq. Cancelled jobs included: a
+/// cancelled head's attempt may not act once its key has moved on.
 fn key_order(c: &Input, first_apply: &HashMap<i64, u64>, f: &mut Findings) {
-    let mut by_key: BTreeMap<&str, Vec<&Job>> = BTreeMap::new();
+    let mut by_key: BTreeMap<(&str, u32), Vec<&Job>> = BTreeMap::new();
     for j in &c.jobs {
-        if let (Some(k), true) = (&j.job_key, j.state != "cancelled") {
-            by_key.entry(k).or_default().push(j);
+        if let Some(ke) = c.key_epoch(j) {
+            by_key.entry(ke).or_default().push(j);
         }
     }
-    for (k, mut js) in by_key {
+    for ((k, _), mut js) in by_key {
         js.sort_by_key(|j| j.key_seq);
         let mut prev: Option<(&Job, u64)> = None;
         for j in js {

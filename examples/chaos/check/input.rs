@@ -1,4 +1,7 @@
 //! Loading the artifacts, and the indexes every check shares.
+//!
+//! Rows deleted by retention come back from the audit copies with `deleted_at_us` set;
+//! every check sees live and deleted rows together.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -6,14 +9,16 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::model::{
-    read_json, read_jsonl, EffectLog, EnqueueRecord, FaultRecord, HistoryLine, ProcessRecord,
-    RunInfo,
+    read_json, read_jsonl, EffectLog, EnqueueRecord, FaultRecord, HistoryLine, OperatorRecord,
+    ProcessRecord, RunInfo,
 };
 
 /// A row of `db/jobs.jsonl`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct Job {
     pub id: i64,
+    #[serde(default)]
+    pub queue: String,
     pub kind: String,
     pub job_key: Option<String>,
     pub key_seq: Option<i64>,
@@ -27,20 +32,48 @@ pub struct Job {
     #[serde(default)]
     pub steps: Option<i32>,
     pub created_at_us: i64,
+    #[serde(default)]
+    pub owner: Option<String>,
+    #[serde(default)]
+    pub lease_until_us: Option<i64>,
+    /// Deleted by retention at this time (from the audit copy); `None`: still there.
+    #[serde(default)]
+    pub deleted_at_us: Option<i64>,
 }
 
 /// A row of `db/job_events.jsonl`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct Event {
     pub id: i64,
     pub job_id: i64,
     pub generation: i64,
     pub event: String,
     pub at_us: i64,
+    #[serde(default)]
+    pub owner: Option<String>,
+}
+
+/// A row of `db/job_keys.jsonl`: a key's sequence row, live or deleted by retention.
+#[derive(Debug, Default, Deserialize)]
+pub struct KeyRow {
+    pub queue: String,
+    pub job_key: String,
+    pub next_seq: i64,
+    #[serde(default)]
+    pub deleted_at_us: Option<i64>,
+}
+
+/// A row of `db/leases.jsonl`: a value a running job's lease took (claim or renewal).
+#[derive(Debug, Default, Deserialize)]
+pub struct LeaseWrite {
+    pub job_id: i64,
+    pub generation: i64,
+    pub lease_until_us: i64,
+    pub written_at_us: i64,
 }
 
 /// A row of `db/lease_expiries.jsonl`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct Expiry {
     pub job_id: i64,
     pub generation: i64,
@@ -51,7 +84,7 @@ pub struct Expiry {
 }
 
 /// A row of `db/effects.jsonl` (the library's effect ledger).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct Ledger {
     pub effect_key: String,
     pub job_id: i64,
@@ -69,15 +102,108 @@ pub struct Input {
     pub events: Vec<Event>,
     pub expiries: Vec<Expiry>,
     pub ledger: Vec<Ledger>,
+    pub leases: Vec<LeaseWrite>,
+    pub operator: Vec<OperatorRecord>,
     pub history: Vec<HistoryLine>,
     /// Worker counters summed over every incarnation's last snapshot.
     pub metrics: BTreeMap<String, u64>,
+    /// Each keyed job's epoch within its key (see [`key_epochs`]); absent when its key's
+    /// epochs could not be told apart.
+    pub epoch: HashMap<i64, u32>,
+    /// Keys whose epochs could not be told apart (their order checks are skipped and
+    /// the report says how many).
+    pub ambiguous_keys: Vec<String>,
     /// Job index in `jobs`, by id.
     by_id: HashMap<i64, usize>,
     /// Enqueue index in `enq`, by client id.
     by_cid: HashMap<i64, usize>,
     /// Expiry index in `expiries`, by (job, generation).
     by_expiry: HashMap<(i64, i64), usize>,
+}
+
+/// Everything [`Input`] is built from.
+#[derive(Default)]
+pub struct Parts {
+    pub run: RunInfo,
+    pub enq: Vec<EnqueueRecord>,
+    pub faults: Vec<FaultRecord>,
+    pub processes: Vec<ProcessRecord>,
+    pub effects: Vec<EffectLog>,
+    pub jobs: Vec<Job>,
+    pub events: Vec<Event>,
+    pub expiries: Vec<Expiry>,
+    pub ledger: Vec<Ledger>,
+    pub leases: Vec<LeaseWrite>,
+    pub keys: Vec<KeyRow>,
+    pub operator: Vec<OperatorRecord>,
+    pub history: Vec<HistoryLine>,
+    pub metrics: BTreeMap<String, u64>,
+}
+
+/// Tell apart the epochs of each key: retention deletes a key's row once no job of it is
+/// open, and the key's next enqueue starts again at `key_seq` 1.
+///
+/// A deleted key row's `next_seq` is how many jobs its epoch had, and every job of a
+/// later epoch has a larger id (its id is drawn after the key row is written, which is
+/// after the old row's deletion committed). So the key's jobs in id order are cut into
+/// runs of those sizes; each run must hold exactly the key_seqs 1..=n, or the key is
+/// reported ambiguous rather than guessed.
+pub fn key_epochs(jobs: &[Job], keys: &[KeyRow]) -> (HashMap<i64, u32>, Vec<String>) {
+    let mut by_key: BTreeMap<(&str, &str), Vec<&Job>> = BTreeMap::new();
+    for j in jobs {
+        if let Some(k) = &j.job_key {
+            by_key
+                .entry((j.queue.as_str(), k.as_str()))
+                .or_default()
+                .push(j);
+        }
+    }
+    let mut deleted: HashMap<(&str, &str), Vec<&KeyRow>> = HashMap::new();
+    for k in keys.iter().filter(|k| k.deleted_at_us.is_some()) {
+        deleted
+            .entry((k.queue.as_str(), k.job_key.as_str()))
+            .or_default()
+            .push(k);
+    }
+    let mut epoch = HashMap::new();
+    let mut ambiguous = Vec::new();
+    for (key, mut js) in by_key {
+        js.sort_by_key(|j| j.id);
+        let mut sizes: Vec<i64> = Vec::new();
+        if let Some(rows) = deleted.get_mut(&key) {
+            rows.sort_by_key(|r| r.deleted_at_us);
+            sizes = rows.iter().map(|r| r.next_seq).collect();
+        }
+        let mut assigned = Vec::new();
+        let mut rest: &[&Job] = &js;
+        let mut ok = true;
+        for (e, n) in sizes.iter().enumerate() {
+            let n = (*n).max(0) as usize;
+            if n > rest.len() {
+                ok = false;
+                break;
+            }
+            let (run, tail) = rest.split_at(n);
+            let mut seqs: Vec<i64> = run.iter().filter_map(|j| j.key_seq).collect();
+            seqs.sort_unstable();
+            if seqs != (1..=n as i64).collect::<Vec<_>>() {
+                ok = false;
+                break;
+            }
+            assigned.extend(run.iter().map(|j| (j.id, e as u32)));
+            rest = tail;
+        }
+        let mut last: Vec<i64> = rest.iter().filter_map(|j| j.key_seq).collect();
+        last.sort_unstable();
+        last.dedup();
+        if ok && last.len() == rest.len() {
+            assigned.extend(rest.iter().map(|j| (j.id, sizes.len() as u32)));
+            epoch.extend(assigned);
+        } else {
+            ambiguous.push(format!("{}/{}", key.0, key.1));
+        }
+    }
+    (epoch, ambiguous)
 }
 
 fn load<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> Result<Vec<T>, String> {
@@ -109,40 +235,83 @@ impl Input {
                     .extend(read_jsonl::<HistoryLine>(&path).map_err(|e| format!("{name}: {e}"))?);
             }
         }
-        let enq: Vec<EnqueueRecord> = load(dir, "enqueue.jsonl")?;
-        let jobs: Vec<Job> = load(dir, "db/jobs.jsonl")?;
-        let by_id = jobs.iter().enumerate().map(|(i, j)| (j.id, i)).collect();
-        let by_cid = enq
+        // Absent from first-edition artifacts.
+        let optional = |name: &str| dir.join(name).exists();
+        Ok(Input::assemble(Parts {
+            run,
+            enq: load(dir, "enqueue.jsonl")?,
+            faults: load(dir, "faults.jsonl")?,
+            processes: load(dir, "processes.jsonl")?,
+            effects: load(dir, "effects.jsonl")?,
+            jobs: load(dir, "db/jobs.jsonl")?,
+            events: load(dir, "db/job_events.jsonl")?,
+            expiries: load(dir, "db/lease_expiries.jsonl")?,
+            ledger: load(dir, "db/effects.jsonl")?,
+            leases: if optional("db/leases.jsonl") {
+                load(dir, "db/leases.jsonl")?
+            } else {
+                Vec::new()
+            },
+            keys: if optional("db/job_keys.jsonl") {
+                load(dir, "db/job_keys.jsonl")?
+            } else {
+                Vec::new()
+            },
+            operator: if optional("operator.jsonl") {
+                load(dir, "operator.jsonl")?
+            } else {
+                Vec::new()
+            },
+            history,
+            metrics,
+        }))
+    }
+
+    /// Build the indexes over loaded (or, in the self-test, synthetic) artifacts.
+    pub fn assemble(p: Parts) -> Input {
+        let by_id = p.jobs.iter().enumerate().map(|(i, j)| (j.id, i)).collect();
+        let by_cid = p
+            .enq
             .iter()
             .enumerate()
             .map(|(i, r)| (r.cid as i64, i))
             .collect();
-        let expiries: Vec<Expiry> = load(dir, "db/lease_expiries.jsonl")?;
-        let by_expiry = expiries
+        let by_expiry = p
+            .expiries
             .iter()
             .enumerate()
             .map(|(i, x)| ((x.job_id, x.generation), i))
             .collect();
-        Ok(Input {
-            run,
-            faults: load(dir, "faults.jsonl")?,
-            processes: load(dir, "processes.jsonl")?,
-            effects: load(dir, "effects.jsonl")?,
-            events: load(dir, "db/job_events.jsonl")?,
-            expiries,
-            by_expiry,
-            ledger: load(dir, "db/effects.jsonl")?,
-            enq,
-            jobs,
-            history,
-            metrics,
+        let (epoch, ambiguous_keys) = key_epochs(&p.jobs, &p.keys);
+        Input {
+            run: p.run,
+            enq: p.enq,
+            faults: p.faults,
+            processes: p.processes,
+            effects: p.effects,
+            jobs: p.jobs,
+            events: p.events,
+            expiries: p.expiries,
+            ledger: p.ledger,
+            leases: p.leases,
+            operator: p.operator,
+            history: p.history,
+            metrics: p.metrics,
+            epoch,
+            ambiguous_keys,
             by_id,
             by_cid,
-        })
+            by_expiry,
+        }
     }
 
     pub fn job(&self, id: i64) -> Option<&Job> {
         self.by_id.get(&id).map(|i| &self.jobs[*i])
+    }
+
+    /// (key, epoch) of a keyed job, when known.
+    pub fn key_epoch<'a>(&self, job: &'a Job) -> Option<(&'a str, u32)> {
+        Some((job.job_key.as_deref()?, *self.epoch.get(&job.id)?))
     }
 
     /// The lease expiry recorded for this generation of the job.

@@ -37,6 +37,13 @@ pub fn enqueues(c: &Input, f: &mut Findings, s: &mut Stats) {
                 ),
             ),
             ("info", Some(_)) => s.recovered += 1,
+            ("rolled_back", Some(j)) => f.add(
+                "unexpected",
+                format!(
+                    "cid {}: enqueued in a host transaction that rolled back, yet job {} exists",
+                    r.cid, j.id
+                ),
+            ),
             ("refused", Some(j)) => f.add(
                 "bad_input",
                 format!(
@@ -47,12 +54,13 @@ pub fn enqueues(c: &Input, f: &mut Findings, s: &mut Stats) {
             _ => {}
         }
         if r.expect == "refused" && r.status == "ok" {
+            let what = match r.scenario.as_deref() {
+                Some("deep_via_api") => "payload nested past 128 levels",
+                _ => "oversized payload",
+            };
             f.add(
                 "bad_input",
-                format!(
-                    "cid {}: oversized payload accepted as job {:?}",
-                    r.cid, r.id
-                ),
+                format!("cid {}: {what} accepted as job {:?}", r.cid, r.id),
             );
         }
     }
@@ -67,7 +75,8 @@ pub fn enqueues(c: &Input, f: &mut Findings, s: &mut Stats) {
             );
         }
         match j.state.as_str() {
-            "done" | "held" => {}
+            // Running after the drain is `orphan_running` (check::retention).
+            "done" | "held" | "running" => {}
             "dead" | "cancelled" => {
                 if j.last_error.as_deref().map(str::is_empty).unwrap_or(true) {
                     f.add(
@@ -109,7 +118,7 @@ pub fn histories(c: &Input, f: &mut Findings, s: &mut Stats) {
             if let Some((pend, pjob, pg)) = latest {
                 if start < pend && pjob != job {
                     f.add(
-                        "key_overlap",
+                        "key_lease_overlap",
                         format!("key {k}: job {job} gen {g} claimed while job {pjob} gen {pg} held a live lease"),
                     );
                 }
@@ -341,7 +350,10 @@ fn reaped(c: &Input, job_id: i64, e: &Event, open: Option<(i64, i64)>, f: &mut F
 pub fn results(c: &Input, f: &mut Findings, s: &mut Stats) {
     let mut ended_ok: HashSet<(i64, i64)> = HashSet::new();
     for l in &c.history {
-        if l.ev == "end" && l.outcome == "ok" {
+        // A txhold handler completes in its own transaction: its commit may land just
+        // before its future is dropped (the max run time's abort), with no line after.
+        let committed_then_dropped = l.kind == "txhold" && l.outcome == "dropped";
+        if l.ev == "end" && (l.outcome == "ok" || committed_then_dropped) {
             ended_ok.insert((l.job, l.generation));
         }
         s.ledger_reused += l.ledger_hits as u64;

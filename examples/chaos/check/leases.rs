@@ -1,7 +1,15 @@
 //! Lease expiries explained by faults (else renewal failed), liveness after the faults,
 //! and coverage: every fault kind hit, every guarded path reached.
+//!
+//! What explains an expiry: a fault that can stop a process's renewals (a kill, a stop,
+//! a partition, a hung renewer connection, a database restart...) on the owner's worker
+//! or the whole database, around the lease's last window. The faults a host or an
+//! operator makes explain only the jobs they touched: a session's row locks explain
+//! the expiry of the rows it locked, a host transaction holding a key explains that
+//! key's jobs, and a `txhold` handler holding its own row past the lease explains its
+//! own. Anything else they cause is the library's: renewal must never wait on a lock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::input::Input;
 use super::{Findings, Stats};
@@ -30,25 +38,11 @@ pub fn expiries(c: &Input, f: &mut Findings, s: &mut Stats) {
         .iter()
         .map(|p| ((p.w, p.inc), p.ended_us))
         .collect();
-    // Faults that can stop a renewal. The racing reaper is not one: its reaps are
-    // recorded under its own name and counted apart.
-    let lease_faults: Vec<&FaultRecord> = c
-        .faults
-        .iter()
-        .filter(|x| {
-            !matches!(
-                x.kind.as_str(),
-                "manual_hold"
-                    | "manual_release"
-                    | "manual_cancel"
-                    | "effect_reply_lost"
-                    | "reaper_race"
-            )
-        })
-        .collect();
+    let lease_faults = lease_faults(c);
+    let targeted = targeted_explanations(c);
     let run_end = c.run.finished_us.max(c.run.drained_us);
     for x in &c.expiries {
-        if x.reaped_by == "chaos-reaper-race" {
+        if x.reaped_by == super::execution::RACE_REAPER {
             s.expiries_race += 1;
             continue;
         }
@@ -84,22 +78,105 @@ pub fn expiries(c: &Input, f: &mut Findings, s: &mut Stats) {
                 && fr.start_us <= x.lease_until_us
                 && fr.end_us >= x.lease_until_us - lease_us - 1_000_000
         });
-        if gone || window || who.is_none() {
+        let touched = targeted.iter().any(|(jobs, key, from, to)| {
+            let job = c.job(x.job_id);
+            let mine = jobs.contains(&(x.job_id, x.generation))
+                || jobs.contains(&(x.job_id, 0))
+                || (key.is_some() && job.and_then(|j| j.job_key.as_ref()) == key.as_ref());
+            mine && *from <= x.lease_until_us && *to >= x.lease_until_us - lease_us - 1_000_000
+        });
+        if gone || window || touched || who.is_none() {
             s.expiries_explained += 1;
         } else {
             f.add(
                 "lease_lost_while_healthy",
                 format!(
-                    "job {} gen {}: lease of {} (w{:?}) expired at {} with no fault on it or the database",
+                    "job {} gen {}: lease of {} ({}) expired at {} with no fault on it or the database",
                     x.job_id,
                     x.generation,
                     x.owner,
-                    who.map(|w| w.0),
+                    who.map(|w| format!("w{}.{}", w.0, w.1)).unwrap_or_default(),
                     x.lease_until_us
                 ),
             );
         }
     }
+}
+
+/// Kinds that act on named jobs or keys, not on a process: they explain only those.
+pub const TARGETED: [&str; 9] = [
+    "manual_hold",
+    "manual_release",
+    "manual_cancel",
+    "effect_reply_lost",
+    // The racing reaper's reaps are recorded under its own name and counted apart.
+    "reaper_race",
+    "row_lock",
+    "host_enqueue_commit",
+    "host_enqueue_rollback",
+    "cancel_running_head",
+];
+
+/// Faults that can stop a process's renewals.
+fn lease_faults(c: &Input) -> Vec<&FaultRecord> {
+    c.faults
+        .iter()
+        .filter(|x| !TARGETED.contains(&x.kind.as_str()))
+        .collect()
+}
+
+/// What the targeted faults explain: (jobs as (id, generation or 0 for any), key,
+/// from, to).
+type Targeted = Vec<(HashSet<(i64, i64)>, Option<String>, i64, i64)>;
+
+fn targeted_explanations(c: &Input) -> Targeted {
+    let mut out: Targeted = Vec::new();
+    for fr in &c.faults {
+        match fr.kind.as_str() {
+            "row_lock" => out.push((
+                fr.jobs.iter().map(|j| (*j, 0)).collect(),
+                None,
+                fr.start_us,
+                fr.end_us,
+            )),
+            "host_enqueue_commit" | "host_enqueue_rollback" => {
+                out.push((HashSet::new(), fr.key.clone(), fr.start_us, fr.end_us))
+            }
+            _ => {}
+        }
+    }
+    // A txhold handler that held its own completing transaction past the lease.
+    let lease = c.run.lease_ms;
+    for l in c
+        .history
+        .iter()
+        .filter(|l| l.ev == "start" && l.kind == "txhold")
+    {
+        let held: u64 = l
+            .detail
+            .strip_prefix("hold_ms=")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        if held >= lease * 3 / 4 {
+            let set = [(l.job, l.generation)].into_iter().collect();
+            out.push((set, None, l.t_us, l.t_us + held as i64 * 1000));
+        }
+    }
+    out
+}
+
+/// A fault that can stop renewals hit worker `w` (or the whole database) between
+/// `from` and `to` (wall µs).
+pub fn lease_fault_near(c: &Input, w: usize, from: i64, to: i64) -> bool {
+    let target = format!("w{w}");
+    lease_faults(c).iter().any(|fr| {
+        (matches!(fr.target.as_str(), "pg" | "all") || fr.target == target)
+            && fr.start_us <= to
+            && fr.end_us >= from
+    }) || c
+        .processes
+        .iter()
+        .any(|p| p.w == w && p.ended_us >= from && p.ended_us <= to)
 }
 
 /// Work completes after the faults, the probe jobs run promptly, the queue drains.
@@ -118,7 +195,11 @@ pub fn liveness(c: &Input, f: &mut Findings, s: &mut Stats) {
     if !c.run.drain_complete {
         f.add(
             "liveness",
-            "the queue did not drain within the limit".into(),
+            if c.run.drain_stranded {
+                "the drain stopped: only stranded keys were left open (see stranded_key)".into()
+            } else {
+                "the queue did not drain within the limit".into()
+            },
         );
     }
     let completed_at: HashMap<i64, i64> = c
@@ -204,10 +285,44 @@ pub fn coverage(c: &Input, f: &mut Findings, s: &mut Stats) {
         ("key_promotions", s.event("promoted")),
         ("operator_holds", s.event("held")),
         ("operator_cancels", s.event("cancelled")),
+        // Second edition: the scenarios and the retention operator.
+        ("flood_successor_waited_for_slot", s.flood_successor_waited),
+        ("poison_result_jobs", s.poison_results),
+        ("poison_payload_jobs", s.poison_payloads),
+        ("poison_neighbours_checked", s.poison_neighbours),
+        ("txhold_held_past_lease", txhold_long(c)),
+        ("cancel_chain_heads", scenario_jobs(c, "cancel_chain")),
+        ("dead_head_chains", scenario_jobs(c, "dead_head")),
+        ("retention_pruned_jobs", s.pruned_jobs),
+        ("retry_dead_ok", s.dead_retried),
+        ("attempt_ends_by_drop_guard", s.ends_dropped),
+        ("attempt_ends_at_process_kill", s.ends_at_process_end),
     ];
     for (name, n) in &s.guarded {
         if *n == 0 {
             f.add("coverage", format!("guarded path {name} was never reached"));
         }
     }
+}
+
+/// Jobs a scenario enqueued (acknowledged).
+fn scenario_jobs(c: &Input, name: &str) -> u64 {
+    c.enq
+        .iter()
+        .filter(|r| r.status == "ok" && r.scenario.as_deref() == Some(name))
+        .count() as u64
+}
+
+/// `txhold` attempts that held their completing transaction at least a lease.
+fn txhold_long(c: &Input) -> u64 {
+    c.history
+        .iter()
+        .filter(|l| l.ev == "start" && l.kind == "txhold")
+        .filter(|l| {
+            l.detail
+                .strip_prefix("hold_ms=")
+                .and_then(|v| v.parse::<u64>().ok())
+                .is_some_and(|ms| ms >= c.run.lease_ms)
+        })
+        .count() as u64
 }

@@ -2,28 +2,38 @@
 //!
 //!     cargo run --example chaos -- check target/chaos/<seed>
 //!
-//! It reads the database dump (`db/`: jobs, job_events, lease_expiries, the effect
-//! ledger), the effect server's log, the workers' histories and metrics, the enqueue
-//! log and the fault log ([`input`]), checks the invariants listed in [`INVARIANTS`]
-//! ([`jobs`], [`effects`], [`leases`]) and renders the report ([`report`]). Each
-//! violation is printed with a witness: the job id and what was seen.
+//! It reads the database dump (`db/`: jobs, job_events, lease_expiries, job_keys, the
+//! effect ledger, each with the rows retention deleted), the effect server's log, the
+//! workers' histories (real execution: handler starts, effect calls, ends) and metrics,
+//! the enqueue, fault and operator logs ([`input`]), checks the invariants listed in
+//! [`INVARIANTS`] ([`jobs`], [`effects`], [`leases`], [`execution`], [`poison`],
+//! [`retention`]) and renders the report ([`report`]). Each violation is printed with a
+//! witness: the job id and what was seen. `chaos selftest` ([`selftest`]) shows that
+//! each rule fires on a small synthetic run that breaks it, and stays quiet on one that
+//! does not.
 
 mod effects;
+mod execution;
 mod input;
 mod jobs;
 mod leases;
+mod poison;
 mod report;
+mod retention;
+pub mod selftest;
+mod synth;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+pub use execution::RACE_REAPER;
 pub use input::Input;
 
 /// Every invariant, in report order, with what a violation means.
-pub const INVARIANTS: [(&str, &str); 20] = [
+pub const INVARIANTS: [(&str, &str); 31] = [
     ("lost", "an acknowledged enqueue has no row"),
     ("unexpected", "a row no enqueue asked for"),
-    ("stuck", "pending, waiting or running after the drain"),
+    ("stuck", "pending or waiting after the drain"),
     (
         "missing_reason",
         "dead or cancelled without a recorded reason",
@@ -60,7 +70,26 @@ pub const INVARIANTS: [(&str, &str); 20] = [
         "key_order",
         "the first applies of a key's jobs not in key_seq order",
     ),
-    ("key_overlap", "two live leases on one key"),
+    (
+        "key_lease_overlap",
+        "two live leases on one key (database events)",
+    ),
+    (
+        "key_overlap",
+        "two handlers of one key (or one job) running at the same time (workers' logs)",
+    ),
+    (
+        "key_start_order",
+        "a key's handlers first started out of key_seq order",
+    ),
+    (
+        "start_without_lease",
+        "a handler started after its generation's lease ended or the generation ended",
+    ),
+    (
+        "stale_effect",
+        "an attempt called the effect server after a newer generation of its job started",
+    ),
     (
         "attempt_limit",
         "more attempts than max_attempts, or dead before they were spent",
@@ -79,6 +108,34 @@ pub const INVARIANTS: [(&str, &str); 20] = [
         "no throughput after the faults, probe jobs late, or the drain did not finish",
     ),
     ("bad_input", "bad input not contained as specified"),
+    (
+        "poison_result",
+        "a result with NUL or over the cap not dead with a reason naming the result",
+    ),
+    (
+        "poison_payload",
+        "a payload too deep to decode not dead with a decode reason",
+    ),
+    (
+        "poison_neighbour",
+        "a job claimed or completed beside a poison job suffered for it",
+    ),
+    (
+        "pruned_dead",
+        "retention deleted a dead (dead-letter) or unfinished job",
+    ),
+    (
+        "stranded_key",
+        "waiting jobs with no head that could ever move them",
+    ),
+    (
+        "orphan_running",
+        "a job left running after the drain with no live owner",
+    ),
+    (
+        "clock_bound",
+        "the database's clock was further from the workers' than the checker allows",
+    ),
     ("coverage", "a fault kind or guarded path never hit"),
 ];
 
@@ -134,6 +191,21 @@ pub struct Stats {
     /// kind → (attempted, hit)
     pub fault_hits: BTreeMap<String, (u64, u64)>,
     pub guarded: Vec<(&'static str, u64)>,
+    // Real execution.
+    pub attempts: u64,
+    pub ends_dropped: u64,
+    pub ends_at_process_end: u64,
+    pub ends_open: u64,
+    pub zombie_overlaps_excused: u64,
+    pub race_overlaps_excused: u64,
+    pub flood_successor_waited: u64,
+    pub chain_claim_to_start_max_ms: i64,
+    // Poison and retention.
+    pub poison_results: u64,
+    pub poison_payloads: u64,
+    pub poison_neighbours: u64,
+    pub pruned_jobs: u64,
+    pub dead_retried: u64,
 }
 
 impl Stats {
@@ -169,6 +241,9 @@ pub fn check(dir: &Path) -> Result<Report, String> {
     jobs::results(&input, &mut f, &mut s);
     jobs::bad_input(&input, &mut f);
     effects::check(&input, &mut f, &mut s);
+    execution::check(&input, &mut f, &mut s);
+    poison::check(&input, &mut f, &mut s);
+    retention::check(&input, &mut f, &mut s);
     leases::expiries(&input, &mut f, &mut s);
     leases::liveness(&input, &mut f, &mut s);
     leases::coverage(&input, &mut f, &mut s);

@@ -69,6 +69,38 @@ pub fn render(c: &Input, f: &Findings, s: &Stats) -> Report {
         c.metric("leases_lost"),
         c.metric("db_errors")
     );
+    let _ = writeln!(
+        t,
+        "execution: attempts={} ended_by_drop_guard={} ended_at_process_kill={} never_ended={} frozen_overlaps_excused={} race_reaped_overlaps_excused={} flood_successors_waited={} chain_claim_to_start_max={}ms",
+        s.attempts,
+        s.ends_dropped,
+        s.ends_at_process_end,
+        s.ends_open,
+        s.zombie_overlaps_excused,
+        s.race_overlaps_excused,
+        s.flood_successor_waited,
+        s.chain_claim_to_start_max_ms
+    );
+    let _ = writeln!(
+        t,
+        "clock: database vs workers max {}µs over {} good samples (of {}), round trip max {}µs; allowed {}µs (db), {}µs (monotonic)",
+        run.clock.max_offset_us,
+        run.clock.good_samples,
+        run.clock.samples,
+        run.clock.max_rtt_us,
+        crate::model::DB_CLOCK_BOUND_US,
+        crate::model::MONO_BOUND_NS / 1000
+    );
+    let _ = writeln!(
+        t,
+        "poison: results={} payloads={} neighbours_checked={}; retention: pruned={} dead_retried={}; keys with ambiguous epochs: {}",
+        s.poison_results,
+        s.poison_payloads,
+        s.poison_neighbours,
+        s.pruned_jobs,
+        s.dead_retried,
+        c.ambiguous_keys.len()
+    );
     let total: u64 = s.fault_hits.values().map(|v| v.1).sum();
     let _ = writeln!(
         t,
@@ -90,10 +122,15 @@ pub fn render(c: &Input, f: &Findings, s: &Stats) -> Report {
         "violations: {}",
         pairs(INVARIANTS.iter().map(|(k, _)| (k, f.count(k))))
     );
+    // CHAOS_WITNESSES=n prints more witnesses per invariant (8 by default).
+    let shown = std::env::var("CHAOS_WITNESSES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
     for (inv, what) in INVARIANTS {
         if let Some(w) = f.witnesses(inv) {
             let _ = writeln!(t, "  {inv} ({what}): {}", w.len());
-            for line in w.iter().take(8) {
+            for line in w.iter().take(shown) {
                 let _ = writeln!(t, "    - {line}");
             }
         }

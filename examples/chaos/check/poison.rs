@@ -1,0 +1,145 @@
+//! Poison is contained: a job whose result cannot be stored (a NUL, or over the result
+//! cap) or whose payload cannot be decoded (nested deeper than 128) ends dead with a
+//! reason that says so, and nothing else suffers for it.
+//!
+//! Neighbours are the jobs that shared the poison job's statements, as far as the
+//! artifacts show them:
+//! - its claim: the same owner and the same claim time (`now()` of one transaction);
+//! - its completion batch: attempts of the same process whose handlers returned ok
+//!   within [`BATCH_WINDOW_NS`] of the poison handler's.
+//!
+//! A neighbour is affected when its handler never ran yet its generation was reaped or
+//! failed, or its handler returned ok yet its generation did not end `completed` —
+//! unless a fault hit its worker (or the database) then.
+
+use std::collections::{HashMap, HashSet};
+
+use super::execution::{attempts, Attempt, End};
+use super::input::Input;
+use super::leases::lease_fault_near;
+use super::{Findings, Stats};
+
+/// Completions the batcher may have written together with the poison one.
+pub const BATCH_WINDOW_NS: i64 = 250_000_000;
+
+pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
+    let mut poison: HashSet<i64> = HashSet::new();
+    for j in &c.jobs {
+        let expect = c.expect(j);
+        let (want, what) = match expect {
+            "poison_result" => ("result", "a poisoned result"),
+            "poison_payload" => ("decod", "an undecodable (too deep) payload"),
+            _ => continue,
+        };
+        poison.insert(j.id);
+        if expect == "poison_result" {
+            s.poison_results += 1;
+        } else {
+            s.poison_payloads += 1;
+        }
+        if j.state == "cancelled" {
+            continue; // an operator's cancel got there first
+        }
+        let reason = j.last_error.as_deref().unwrap_or("").to_lowercase();
+        if j.state != "dead" || !reason.contains(want) {
+            f.add(
+                if expect == "poison_result" {
+                    "poison_result"
+                } else {
+                    "poison_payload"
+                },
+                format!(
+                    "job {} with {what} ended {} after {} attempts, reason {:?}",
+                    j.id, j.state, j.attempts, j.last_error
+                ),
+            );
+        }
+    }
+    neighbours(c, &poison, f, s);
+}
+
+fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats) {
+    let all = attempts(c);
+    let ran: HashMap<(i64, i64), &Attempt> = all.iter().map(|a| ((a.job, a.gen), a)).collect();
+    let mut ends: HashMap<(i64, i64), &str> = HashMap::new();
+    for e in &c.events {
+        if matches!(
+            e.event.as_str(),
+            "completed" | "failed" | "dead" | "released" | "reaped" | "cancelled"
+        ) {
+            ends.entry((e.job_id, e.generation))
+                .or_insert(e.event.as_str());
+        }
+    }
+    let worker_of: HashMap<&str, usize> = c
+        .history
+        .iter()
+        .filter(|l| l.ev == "up")
+        .filter_map(|l| l.owner.as_deref().map(|o| (o, l.w)))
+        .collect();
+    let lease_us = c.run.lease_ms as i64 * 1000;
+    // The racing reaper's victims suffered for that fault, not for their neighbour.
+    let raced: HashSet<(i64, i64)> = c
+        .expiries
+        .iter()
+        .filter(|x| x.reaped_by == super::execution::RACE_REAPER)
+        .map(|x| (x.job_id, x.generation))
+        .collect();
+    let mut checked: HashSet<(i64, i64)> = HashSet::new();
+    let mut judge = |n: (i64, i64), w: Option<usize>, from: i64, p: i64, f: &mut Findings| {
+        if poison.contains(&n.0) || raced.contains(&n) || !checked.insert(n) {
+            return;
+        }
+        s.poison_neighbours += 1;
+        let end = ends.get(&n).copied().unwrap_or("no ending");
+        let affected = match ran.get(&n) {
+            None => matches!(end, "reaped" | "failed" | "dead"),
+            Some(a) => a.end == End::Logged("ok".into()) && end != "completed",
+        };
+        let faulted = w.map_or(true, |w| {
+            lease_fault_near(c, w, from, from + lease_us + 1_000_000)
+        });
+        if affected && !faulted {
+            let ran_how = match ran.get(&n) {
+                None => "its handler never ran".to_string(),
+                Some(_) => "its handler returned ok".to_string(),
+            };
+            f.add(
+                "poison_neighbour",
+                format!("job {} gen {} (beside poison job {p}): {ran_how}, and the generation ended {end}", n.0, n.1),
+            );
+        }
+    };
+    // Claim neighbours.
+    let mut claims: HashMap<(&str, i64), Vec<(i64, i64)>> = HashMap::new();
+    for e in c.events.iter().filter(|e| e.event == "claimed") {
+        if let Some(o) = e.owner.as_deref() {
+            claims
+                .entry((o, e.at_us))
+                .or_default()
+                .push((e.job_id, e.generation));
+        }
+    }
+    for ((owner, at), batch) in &claims {
+        let Some(p) = batch.iter().find(|(j, _)| poison.contains(j)) else {
+            continue;
+        };
+        for n in batch {
+            judge(*n, worker_of.get(owner).copied(), *at, p.0, f);
+        }
+    }
+    // Completion-batch neighbours of poisoned results that returned ok.
+    for a in all
+        .iter()
+        .filter(|a| poison.contains(&a.job) && a.end == End::Logged("ok".into()))
+    {
+        for b in all.iter().filter(|b| {
+            b.w == a.w
+                && b.inc == a.inc
+                && b.end == End::Logged("ok".into())
+                && (b.end_mono - a.end_mono).abs() <= BATCH_WINDOW_NS
+        }) {
+            judge((b.job, b.gen), Some(a.w), a.end_us - 250_000, a.job, f);
+        }
+    }
+}

@@ -1,0 +1,471 @@
+//! The checker's own test: every second-edition rule, on small synthetic runs, fires
+//! when its invariant is broken and stays quiet when it is not. A rule that cannot fail
+//! proves nothing, so this runs in CI (`chaos selftest`, from tests/chaos_short.rs) and
+//! under `cargo test --example chaos`.
+//!
+//! The synthetic runs are built with [`super::synth`].
+
+use super::input::{Expiry, Input, KeyRow, LeaseWrite};
+use super::synth::{expect, us, Synth};
+use super::{execution, leases, poison, retention, Findings, Stats};
+use crate::model::EnqueueRecord;
+
+/// Two handlers of one key on two workers: overlapping, then one after the other.
+fn key_overlap() -> Result<(), String> {
+    let build = |second_start: i64| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.job(2, Some("k"), Some(2), "done");
+        s.attempt(0, 1, 1, Some("k"), 100, Some(900));
+        s.attempt(1, 2, 1, Some("k"), second_start, Some(second_start + 50));
+        s.run(execution::check)
+    };
+    expect("key_overlap", build(500), build(950))
+}
+
+/// A cancelled head still running while its successor starts: no exemption.
+fn cancelled_head_overlaps() -> Result<(), String> {
+    let build = |end: i64| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "cancelled");
+        s.job(2, Some("k"), Some(2), "done");
+        s.attempt(0, 1, 1, Some("k"), 100, Some(end));
+        s.event(1, 1, "cancelled", 300, "operator");
+        s.attempt(1, 2, 1, Some("k"), 320, Some(400));
+        s.run(execution::check)
+    };
+    expect("key_overlap", build(700), build(310))
+}
+
+/// Two generations of one unkeyed job at once (a lease lost, not noticed).
+fn job_generations_overlap() -> Result<(), String> {
+    let build = |old_end: i64| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.attempt(0, 1, 1, None, 100, Some(old_end));
+        s.0.expiries.push(Expiry {
+            job_id: 1,
+            generation: 1,
+            owner: "owner-w0".into(),
+            lease_until_us: us(2100),
+            reaped_at_us: us(2200),
+            reaped_by: "r".into(),
+        });
+        s.attempt(1, 1, 2, None, 2400, Some(2500));
+        s.run(execution::check)
+    };
+    expect("key_overlap", build(3000), build(2050))
+}
+
+/// The nemesis's racing reaper (clock ahead) took a live lease: the overlap that
+/// follows is the fault's, and excused; the same overlap after a genuine expiry is not.
+fn race_reaped_excused() -> Result<(), String> {
+    let build = |reaper: &str| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.attempt(0, 1, 1, None, 100, Some(1500));
+        s.0.expiries.push(Expiry {
+            job_id: 1,
+            generation: 1,
+            owner: "owner-w0".into(),
+            lease_until_us: us(2100),
+            reaped_at_us: us(1000),
+            reaped_by: reaper.into(),
+        });
+        s.attempt(1, 1, 2, None, 1200, Some(1300));
+        s.run(execution::check)
+    };
+    expect(
+        "key_overlap",
+        build("vm:1:reaper"),
+        build(execution::RACE_REAPER),
+    )
+}
+
+/// A SIGKILLed worker's open attempt ends when its process was reaped.
+fn killed_attempt_ends_at_reap() -> Result<(), String> {
+    let build = |reaped: i64| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.job(2, Some("k"), Some(2), "done");
+        s.attempt(0, 1, 1, Some("k"), 100, None);
+        s.process_end(0, reaped, "killed(signal: 9)");
+        s.attempt(1, 2, 1, Some("k"), 2500, Some(2600));
+        s.run(execution::check)
+    };
+    expect("key_overlap", build(3000), build(400))
+}
+
+/// A frozen (SIGSTOP) process's handler is excused while frozen and for the grace after
+/// it resumes, not longer.
+fn frozen_process_grace() -> Result<(), String> {
+    let build = |old_end: i64| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.job(2, Some("k"), Some(2), "done");
+        s.attempt(0, 1, 1, Some("k"), 100, Some(old_end));
+        s.fault("sigstop", "w0", 200, 4200, vec![]);
+        s.attempt(1, 2, 1, Some("k"), 2600, Some(2700));
+        s.run(execution::check)
+    };
+    // Grace is renew (500 ms) + 1 s after SIGCONT at 4200.
+    expect("key_overlap", build(6000), build(4300))
+}
+
+fn key_start_order() -> Result<(), String> {
+    let build = |second: i64| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.job(2, Some("k"), Some(2), "done");
+        s.attempt(0, 1, 1, Some("k"), 500, Some(600));
+        s.attempt(1, 2, 1, Some("k"), second, Some(second + 50));
+        s.run(execution::check)
+    };
+    expect("key_start_order", build(100), build(700))
+}
+
+/// Retention deleted the key row once its jobs ended; the key's next job starts again
+/// at key_seq 1 and is not out of order.
+fn key_epochs() -> Result<(), String> {
+    let build = |deleted: bool| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.job(5, Some("k"), Some(1), "done");
+        s.attempt(0, 1, 1, Some("k"), 100, Some(200));
+        s.attempt(0, 5, 1, Some("k"), 50, Some(80));
+        if deleted {
+            s.0.keys.push(KeyRow {
+                queue: "default".into(),
+                job_key: "k".into(),
+                next_seq: 1,
+                deleted_at_us: Some(us(300)),
+            });
+        }
+        let input = Input::assemble(s.0);
+        (input.epoch.len(), input.ambiguous_keys.len())
+    };
+    match (build(true), build(false)) {
+        ((2, 0), (0, 1)) => Ok(()),
+        other => Err(format!(
+            "key epochs: with the deleted key row (2 jobs placed, 0 ambiguous) and without (0, 1) expected, got {other:?}"
+        )),
+    }
+}
+
+fn start_without_lease() -> Result<(), String> {
+    let build = |start: i64| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.event(1, 1, "claimed", 0, "owner-w0");
+        s.0.expiries.push(Expiry {
+            job_id: 1,
+            generation: 1,
+            owner: "owner-w0".into(),
+            lease_until_us: us(2000),
+            reaped_at_us: us(2100),
+            reaped_by: "r".into(),
+        });
+        s.line("start", 0, 1, 1, None, start);
+        s.line("end", 0, 1, 1, None, start + 10);
+        s.run(execution::check)
+    };
+    expect("start_without_lease", build(2600), build(1500))
+}
+
+/// A claimed job that waits (unrenewed) past its lease and then starts, not reaped yet.
+fn start_after_lease_ran_out() -> Result<(), String> {
+    let build = |renewed: bool| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.event(1, 1, "claimed", 0, "owner-w0");
+        s.0.leases.push(LeaseWrite {
+            job_id: 1,
+            generation: 1,
+            lease_until_us: us(2000),
+            written_at_us: us(0),
+        });
+        if renewed {
+            s.0.leases.push(LeaseWrite {
+                job_id: 1,
+                generation: 1,
+                lease_until_us: us(3500),
+                written_at_us: us(1500),
+            });
+        }
+        s.line("start", 0, 1, 1, Some("k"), 2300);
+        s.line("end", 0, 1, 1, Some("k"), 2310);
+        s.run(execution::check)
+    };
+    expect("start_without_lease", build(false), build(true))
+}
+
+fn start_after_release() -> Result<(), String> {
+    let build = |start: i64| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.event(1, 1, "claimed", 0, "owner-w0");
+        s.event(1, 1, "released", 1000, "owner-w0");
+        s.line("start", 0, 1, 1, None, start);
+        s.line("end", 0, 1, 1, None, start + 10);
+        s.run(execution::check)
+    };
+    expect("start_without_lease", build(1100), build(500))
+}
+
+fn stale_effect() -> Result<(), String> {
+    let build = |effect_at: i64| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.attempt(0, 1, 1, None, 100, None);
+        s.line("effect", 0, 1, 1, None, effect_at);
+        s.line("end", 0, 1, 1, None, 4000);
+        s.attempt(1, 1, 2, None, 3000, Some(3100));
+        s.run(execution::check)
+    };
+    expect("stale_effect", build(3500), build(2000))
+}
+
+fn clock_bound() -> Result<(), String> {
+    let build = |offset: i64| {
+        let mut s = Synth::new();
+        s.0.run.clock.max_offset_us = offset;
+        s.run(execution::check)
+    };
+    expect("clock_bound", build(20_000), build(100))
+}
+
+fn stranded_key() -> Result<(), String> {
+    let build = |head: &str| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), head);
+        s.job(2, Some("k"), Some(2), "waiting");
+        s.run(retention::check)
+    };
+    // A dead head blocks the key (an operator can move it); a done head with a
+    // successor still waiting is a key nothing will move.
+    expect("stranded_key", build("done"), build("dead"))
+}
+
+fn pruned_dead() -> Result<(), String> {
+    let build = |state: &str| {
+        let mut s = Synth::new();
+        s.job(1, None, None, state).deleted_at_us = Some(us(500));
+        s.run(retention::check)
+    };
+    expect("pruned_dead", build("dead"), build("done"))
+}
+
+fn orphan_running() -> Result<(), String> {
+    let build = |state: &str| {
+        let mut s = Synth::new();
+        s.job(1, None, None, state).owner = Some("owner-w0".into());
+        s.run(retention::check)
+    };
+    expect("orphan_running", build("running"), build("done"))
+}
+
+fn poison_result() -> Result<(), String> {
+    let build = |state: &str, reason: &str| {
+        let mut s = Synth::new();
+        s.job(1, None, None, state).last_error = Some(reason.into());
+        s.expect(1, "poison_result");
+        s.run(poison::check)
+    };
+    expect(
+        "poison_result",
+        build("done", ""),
+        build("dead", "result cannot be stored: contains NUL"),
+    )?;
+    expect(
+        "poison_result",
+        build("dead", "lease expired (generation 3)"),
+        build("dead", "result of 70000 bytes exceeds the cap"),
+    )
+}
+
+fn poison_payload() -> Result<(), String> {
+    let build = |reason: &str| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "dead").last_error = Some(reason.into());
+        s.expect(1, "poison_payload");
+        s.run(poison::check)
+    };
+    expect(
+        "poison_payload",
+        build("lease expired (generation 3)"),
+        build("payload cannot be decoded: recursion limit exceeded"),
+    )
+}
+
+/// A job claimed in the same statement as a deep payload, never run and reaped: it
+/// suffered for its neighbour, unless a fault hit its worker.
+fn poison_neighbour() -> Result<(), String> {
+    let build = |faulted: bool| {
+        let mut s = Synth::new();
+        s.up(0);
+        s.job(1, None, None, "dead").last_error = Some("payload cannot be decoded".into());
+        s.expect(1, "poison_payload");
+        s.job(2, None, None, "done");
+        s.event(1, 1, "claimed", 100, "owner-w0");
+        s.event(2, 1, "claimed", 100, "owner-w0");
+        s.event(1, 1, "dead", 110, "owner-w0");
+        s.event(2, 1, "reaped", 2200, "reaper");
+        if faulted {
+            s.fault("sigstop", "w0", 50, 3000, vec![]);
+        }
+        s.run(poison::check)
+    };
+    expect("poison_neighbour", build(false), build(true))
+}
+
+/// A result neighbour: returned ok beside a poisoned result, never completed.
+fn poison_result_neighbour() -> Result<(), String> {
+    let build = |completed: bool| {
+        let mut s = Synth::new();
+        s.up(0);
+        s.job(1, None, None, "dead").last_error = Some("result contains NUL".into());
+        s.expect(1, "poison_result");
+        s.job(2, None, None, "done");
+        s.attempt(0, 1, 1, None, 100, Some(200));
+        s.attempt(0, 2, 1, None, 120, Some(210));
+        s.event(
+            2,
+            1,
+            if completed { "completed" } else { "reaped" },
+            2300,
+            "x",
+        );
+        s.run(poison::check)
+    };
+    expect("poison_neighbour", build(false), build(true))
+}
+
+/// A row lock explains the expiry of the row it locked, not of the worker's others.
+fn row_lock_explains_only_its_rows() -> Result<(), String> {
+    let build = |job: i64| {
+        let mut s = Synth::new();
+        s.up(0);
+        s.0.run.finished_us = us(100_000);
+        s.fault("row_lock", "w0", 0, 5000, vec![1]);
+        s.0.expiries.push(Expiry {
+            job_id: job,
+            generation: 1,
+            owner: "owner-w0".into(),
+            lease_until_us: us(2500),
+            reaped_at_us: us(2600),
+            reaped_by: "r".into(),
+        });
+        let input = Input::assemble(s.0);
+        let (mut f, mut st) = (Findings::default(), Stats::default());
+        leases::expiries(&input, &mut f, &mut st);
+        f
+    };
+    expect("lease_lost_while_healthy", build(2), build(1))
+}
+
+/// A rolled-back host enqueue must leave no row.
+fn rolled_back_enqueue() -> Result<(), String> {
+    let build = |row: bool| {
+        let mut s = Synth::new();
+        s.0.enq.push(EnqueueRecord {
+            cid: 7,
+            kind: "charge".into(),
+            key: Some("hot-0".into()),
+            status: "rolled_back".into(),
+            id: None,
+            error: None,
+            expect: "done".into(),
+            max_attempts: 12,
+            t_us: us(0),
+            scenario: Some("host_enqueue_rollback".into()),
+        });
+        if row {
+            s.job(7, Some("hot-0"), Some(1), "done");
+        }
+        s.run(super::jobs::enqueues)
+    };
+    expect("unexpected", build(true), build(false))
+}
+
+type Case = (&'static str, fn() -> Result<(), String>);
+
+pub const CASES: [Case; 23] = [
+    ("key_overlap", key_overlap),
+    ("cancelled_head_overlaps", cancelled_head_overlaps),
+    ("job_generations_overlap", job_generations_overlap),
+    ("race_reaped_excused", race_reaped_excused),
+    ("killed_attempt_ends_at_reap", killed_attempt_ends_at_reap),
+    ("frozen_process_grace", frozen_process_grace),
+    ("key_start_order", key_start_order),
+    ("key_epochs", key_epochs),
+    ("start_without_lease", start_without_lease),
+    ("start_after_lease_ran_out", start_after_lease_ran_out),
+    ("start_after_release", start_after_release),
+    ("stale_effect", stale_effect),
+    ("clock_bound", clock_bound),
+    ("stranded_key", stranded_key),
+    ("pruned_dead", pruned_dead),
+    ("orphan_running", orphan_running),
+    ("poison_result", poison_result),
+    ("poison_payload", poison_payload),
+    ("poison_neighbour", poison_neighbour),
+    ("poison_result_neighbour", poison_result_neighbour),
+    (
+        "row_lock_explains_only_its_rows",
+        row_lock_explains_only_its_rows,
+    ),
+    ("rolled_back_enqueue", rolled_back_enqueue),
+    ("drop_guard_end_counts", drop_guard_end_counts),
+];
+
+/// An `end` written by the drop guard (outcome `dropped`) ends the attempt like any.
+fn drop_guard_end_counts() -> Result<(), String> {
+    let build = |outcome: &str| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.job(2, Some("k"), Some(2), "done");
+        s.attempt(0, 1, 1, Some("k"), 100, Some(300));
+        s.0.history.last_mut().unwrap().outcome = outcome.into();
+        s.attempt(1, 2, 1, Some("k"), 400, Some(500));
+        let input = Input::assemble(s.0);
+        let (mut f, mut st) = (Findings::default(), Stats::default());
+        execution::check(&input, &mut f, &mut st);
+        (f.count("key_overlap"), st.ends_dropped)
+    };
+    match (build("dropped"), build("ok")) {
+        ((0, 1), (0, 0)) => Ok(()),
+        other => Err(format!("drop-guard ends: got {other:?}")),
+    }
+}
+
+/// Run every case; print one line each. Exit 0 if all pass.
+pub fn main() -> ! {
+    let mut failed = 0;
+    for (name, case) in CASES {
+        match case() {
+            Ok(()) => println!("selftest {name}: ok"),
+            Err(e) => {
+                failed += 1;
+                println!("selftest {name}: FAILED: {e}");
+            }
+        }
+    }
+    println!(
+        "selftest: {} of {} cases passed",
+        CASES.len() - failed,
+        CASES.len()
+    );
+    std::process::exit(if failed == 0 { 0 } else { 1 })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_rule_fires_and_stays_quiet() {
+        for (name, case) in super::CASES {
+            if let Err(e) = case() {
+                panic!("{name}: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Faults an operator makes: hold (and release) pending jobs, cancel recent jobs, and
+//! cancel running keyed heads that have successors waiting.
+//!
+//! A cancel of a running job is a request (see the design): the key must not move on
+//! while that attempt may still run. `cancel_running_head` aims at exactly that case,
+//! preferring the cancel-chain scenario's long heads.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold::JobId;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use tokio::task::JoinHandle;
+
+use crate::harness::Harness;
+use crate::model::FaultRecord;
+use crate::nemesis::{record, record_with, Planned, Start};
+
+pub async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinHandle<()>> {
+    let start = Start::now();
+    let kind = p.kind;
+    match kind {
+        "manual_hold" => {
+            let candidates: Vec<i64> = h
+                .seen
+                .lock()
+                .unwrap()
+                .delayed
+                .iter()
+                .rev()
+                .take(30)
+                .copied()
+                .collect();
+            let chosen: Vec<i64> = candidates
+                .choose_multiple(rng, p.n as usize)
+                .copied()
+                .collect();
+            let mut held = Vec::new();
+            for id in chosen {
+                let r = tokio::time::timeout(Duration::from_secs(5), h.store.hold(JobId(id))).await;
+                if matches!(r, Ok(Ok(()))) {
+                    held.push(id);
+                }
+            }
+            record(
+                h,
+                kind,
+                "jobs".into(),
+                start,
+                !held.is_empty(),
+                format!("held {held:?}; release after {}ms", p.dur_ms),
+            );
+            let h2 = h.clone();
+            let after = p.dur_ms;
+            Some(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(after)).await;
+                let start = Start::now();
+                let mut released = 0;
+                for id in &held {
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        h2.store.release_hold(JobId(*id)),
+                    )
+                    .await;
+                    released += matches!(r, Ok(Ok(()))) as u32;
+                }
+                if !held.is_empty() {
+                    record(
+                        &h2,
+                        "manual_release",
+                        "jobs".into(),
+                        start,
+                        released > 0,
+                        format!("released {released} of {}", held.len()),
+                    );
+                }
+            }))
+        }
+        "manual_cancel" => {
+            let candidates: Vec<i64> = h
+                .seen
+                .lock()
+                .unwrap()
+                .recent
+                .iter()
+                .rev()
+                .take(200)
+                .copied()
+                .collect();
+            let chosen: Vec<i64> = candidates
+                .choose_multiple(rng, p.n as usize)
+                .copied()
+                .collect();
+            let mut cancelled = Vec::new();
+            for id in chosen {
+                let r = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    h.store.cancel(JobId(id), "chaos operator cancel"),
+                )
+                .await;
+                // Ok(_): `()` today, a `CancelOutcome` after the hardening.
+                if matches!(r, Ok(Ok(_))) {
+                    cancelled.push(id);
+                }
+            }
+            record(
+                h,
+                kind,
+                "jobs".into(),
+                start,
+                !cancelled.is_empty(),
+                format!("cancelled {cancelled:?}"),
+            );
+            None
+        }
+        "cancel_running_head" => {
+            cancel_running_head(h, p).await;
+            None
+        }
+        _ => unreachable!("not an operator fault: {kind}"),
+    }
+}
+
+/// Cancel running keyed heads that have successors waiting (the cancel-chain workload
+/// makes such heads long on purpose).
+async fn cancel_running_head(h: &Arc<Harness>, p: &Planned) {
+    let start = Start::now();
+    let heads: Vec<i64> = sqlx::query_scalar(
+        "SELECT j.id FROM leasehold.jobs j WHERE j.state = 'running' AND j.job_key IS NOT NULL \
+         AND EXISTS (SELECT 1 FROM leasehold.jobs w WHERE w.queue = j.queue \
+                     AND w.job_key = j.job_key AND w.state = 'waiting') \
+         ORDER BY (j.job_key LIKE 'cx-%') DESC, random() LIMIT $1",
+    )
+    .bind(p.n.max(1) as i64)
+    .fetch_all(&h.admin)
+    .await
+    .unwrap_or_default();
+    let mut done = Vec::new();
+    let mut outcomes = Vec::new();
+    for id in heads {
+        let r = tokio::time::timeout(
+            Duration::from_secs(5),
+            h.store
+                .cancel(JobId(id), "chaos operator cancels a running head"),
+        )
+        .await;
+        match r {
+            Ok(Ok(outcome)) => {
+                done.push(id);
+                // A `CancelOutcome`: `Requested` for a running head.
+                outcomes.push(format!("{id}: {outcome:?}"));
+            }
+            Ok(Err(e)) => outcomes.push(format!("{id}: {e}")),
+            Err(_) => outcomes.push(format!("{id}: timed out")),
+        }
+    }
+    let mut fr = FaultRecord::new(
+        p.kind,
+        "jobs".into(),
+        start.us,
+        !done.is_empty(),
+        format!("cancelled running heads: {}", outcomes.join(", ")),
+    );
+    fr.jobs = done;
+    record_with(h, start, fr);
+}
