@@ -3,8 +3,11 @@
 //! the key's one-at-a-time order; history records every transition.
 
 mod common;
+#[path = "common/handler.rs"]
+mod handler;
 
 use common::*;
+use handler::{Path, TestHandler};
 use leasehold::{
     ClaimedJob, CompleteOutcome, DeadKeyPolicy, Error, FailOutcome, Failure, JobId, JobState,
     OwnerId,
@@ -32,9 +35,9 @@ async fn claim_one(db: &TestDb, w: &OwnerId) -> ClaimedJob {
     got.remove(0)
 }
 
-async fn run(db: &TestDb, j: &ClaimedJob) {
-    db.apply_effect(&format!("{}/run", j.id), j.id, j.generation)
-        .await;
+/// The worker: run the handler (its effect through the ledger, logged), then complete.
+async fn run(db: &TestDb, h: &TestHandler, j: &ClaimedJob) {
+    assert_eq!(h.run(&db.store, j).await.path, Path::Acted);
     assert_eq!(
         db.store.complete(&j.fence(), None).await.unwrap(),
         CompleteOutcome::Completed
@@ -62,7 +65,7 @@ async fn state(db: &TestDb, id: JobId) -> JobState {
 async fn dead_head_blocks_its_key_by_default() {
     bounded(async {
         let db = TestDb::new("admin_dead_blocks").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let ids = db
             .store
             .enqueue_many((1..=3).map(|n| keyed("k", "acct", n)).collect())
@@ -101,16 +104,19 @@ async fn dead_head_blocks_its_key_by_default() {
         // The operator cancels the dead head: the key runs on, in order.
         db.store.cancel(ids[0], "written off").await.unwrap();
         assert!(db.store.blocked_keys(10).await.unwrap().is_empty());
-        let mut order = Vec::new();
         for _ in 0..3 {
             let j = claim_one(&db, &w).await;
-            order.push(j.id);
-            run(&db, &j).await;
+            run(&db, &h, &j).await;
         }
-        assert_eq!(order, vec![ids[1], ids[2], later]);
+        assert_eq!(h.assert_key_order()["acct"], vec![ids[1], ids[2], later]);
         assert_eq!(state(&db, ids[0]).await, JobState::Cancelled);
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 3);
-        assert_eq!(db.effect_count(None).await, 3);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 3);
+        assert_eq!(
+            db.ledger(ids[0]).await,
+            None,
+            "the dead head never had its effect"
+        );
         db.drop().await;
     })
     .await
@@ -120,7 +126,7 @@ async fn dead_head_blocks_its_key_by_default() {
 async fn dead_head_with_continue_policy_lets_its_key_continue() {
     bounded(async {
         let db = TestDb::new("admin_dead_continue").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let first = db
             .store
             .enqueue(keyed("k", "acct", 1).with_dead_key_policy(DeadKeyPolicy::Continue))
@@ -141,13 +147,13 @@ async fn dead_head_with_continue_policy_lets_its_key_continue() {
         assert!(db.store.blocked_keys(10).await.unwrap().is_empty());
         let next = claim_one(&db, &w).await;
         assert_eq!(next.id, second);
-        run(&db, &next).await;
+        run(&db, &h, &next).await;
         assert_eq!(
             (state(&db, first).await, state(&db, second).await),
             (JobState::Dead, JobState::Done)
         );
         assert_eq!(db.count_where("job_keys", "open_jobs = 0").await, 1);
-        assert_eq!(db.effect_count(None).await, 1);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 1);
         db.drop().await;
     })
     .await
@@ -157,7 +163,7 @@ async fn dead_head_with_continue_policy_lets_its_key_continue() {
 async fn continue_policy_also_applies_when_the_reaper_kills_the_head() {
     bounded(async {
         let db = TestDb::new("admin_reaped_continue").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let first = db
             .store
             .enqueue(
@@ -181,10 +187,10 @@ async fn continue_policy_also_applies_when_the_reaper_kills_the_head() {
         );
         let next = claim_one(&db, &w).await;
         assert_eq!(next.id, second);
-        run(&db, &next).await;
+        run(&db, &h, &next).await;
         assert_eq!(state(&db, first).await, JobState::Dead);
         assert_eq!(state(&db, second).await, JobState::Done);
-        assert_eq!(db.effect_count(None).await, 1);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 1);
         db.drop().await;
     })
     .await
@@ -194,7 +200,7 @@ async fn continue_policy_also_applies_when_the_reaper_kills_the_head() {
 async fn cancelling_a_head_promotes_its_successor() {
     bounded(async {
         let db = TestDb::new("admin_cancel_head").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let ids = db
             .store
             .enqueue_many((1..=5).map(|n| keyed("k", "acct", n)).collect())
@@ -216,6 +222,8 @@ async fn cancelling_a_head_promotes_its_successor() {
             db.store.cancel(ids[1], "stop it").await.unwrap(),
             leasehold::CancelOutcome::Requested
         );
+        // Its handler, not told yet, runs its effect.
+        assert_eq!(h.run(&db.store, &running).await.path, Path::Acted);
         assert_eq!(state(&db, ids[1]).await, JobState::Running);
         assert_eq!(
             state(&db, ids[3]).await,
@@ -249,7 +257,7 @@ async fn cancelling_a_head_promotes_its_successor() {
         );
         let next = claim_one(&db, &w).await;
         assert_eq!(next.id, ids[3], "the cancelled waiting job is skipped");
-        run(&db, &next).await;
+        run(&db, &h, &next).await;
         // A held head.
         db.store.hold(ids[4]).await.unwrap();
         db.store.cancel(ids[4], "held, then dropped").await.unwrap();
@@ -260,7 +268,7 @@ async fn cancelling_a_head_promotes_its_successor() {
             "the key is free again"
         );
         let j = claim_one(&db, &w).await;
-        run(&db, &j).await;
+        run(&db, &h, &j).await;
 
         for (i, expected) in [
             JobState::Cancelled,
@@ -284,7 +292,12 @@ async fn cancelling_a_head_promotes_its_successor() {
             Err(Error::InvalidTransition { .. })
         ));
         assert_eq!(db.count_where("job_keys", "open_jobs = 0").await, 1);
-        assert_eq!(db.effect_count(None).await, 2);
+        // The cancelled attempt's effect happened and stays in the ledger; the key's
+        // next job ran only after that attempt's handler had ended.
+        db.assert_effect_once(ids[1], running.generation.0, running.generation.0)
+            .await;
+        assert_eq!(h.assert_key_order()["acct"], vec![ids[1], ids[3], after]);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 2);
         db.drop().await;
     })
     .await
@@ -294,7 +307,7 @@ async fn cancelling_a_head_promotes_its_successor() {
 async fn hold_keeps_a_job_and_its_key_from_running_until_released() {
     bounded(async {
         let db = TestDb::new("admin_hold").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let plain = db.store.enqueue(job("k")).await.unwrap();
         let head = db.store.enqueue(keyed("k", "acct", 1)).await.unwrap();
         let succ = db.store.enqueue(keyed("k", "acct", 2)).await.unwrap();
@@ -330,18 +343,20 @@ async fn hold_keeps_a_job_and_its_key_from_running_until_released() {
                 ..
             })
         ));
-        run(&db, &j).await;
+        run(&db, &h, &j).await;
 
         db.store.release_hold(head).await.unwrap();
         assert!(db.store.blocked_keys(10).await.unwrap().is_empty());
         let j = claim_one(&db, &w).await;
         assert_eq!(j.id, head);
-        run(&db, &j).await;
+        run(&db, &h, &j).await;
         let j = claim_one(&db, &w).await;
         assert_eq!(j.id, succ);
-        run(&db, &j).await;
+        run(&db, &h, &j).await;
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 3);
-        assert_eq!(db.effect_count(None).await, 3);
+        assert_eq!(h.order(), vec![plain, head, succ]);
+        h.assert_key_order();
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 3);
         let events: Vec<String> = db
             .store
             .history(head)
@@ -364,7 +379,7 @@ async fn hold_keeps_a_job_and_its_key_from_running_until_released() {
 async fn retry_dead_resumes_a_blocking_head_before_its_successors() {
     bounded(async {
         let db = TestDb::new("admin_retry_dead_block").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let ids = db
             .store
             .enqueue_many(
@@ -417,13 +432,11 @@ async fn retry_dead_resumes_a_blocking_head_before_its_successors() {
             (JobState::Pending, 0, Some(1))
         );
         assert!(db.store.blocked_keys(10).await.unwrap().is_empty());
-        let mut order = Vec::new();
         for _ in 0..3 {
             let j = claim_one(&db, &w).await;
-            order.push(j.id);
-            run(&db, &j).await;
+            run(&db, &h, &j).await;
         }
-        assert_eq!(order, ids);
+        assert_eq!(h.assert_key_order()["acct"], ids);
         let events: Vec<String> = db
             .store
             .history(ids[0])
@@ -445,7 +458,7 @@ async fn retry_dead_resumes_a_blocking_head_before_its_successors() {
             ]
         );
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 3);
-        assert_eq!(db.effect_count(None).await, 3);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 3);
         db.drop().await;
     })
     .await
@@ -455,7 +468,7 @@ async fn retry_dead_resumes_a_blocking_head_before_its_successors() {
 async fn retry_dead_of_a_continue_job_reenters_at_the_end_of_its_key() {
     bounded(async {
         let db = TestDb::new("admin_retry_dead_continue").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let first = db
             .store
             .enqueue(keyed("k", "acct", 1).with_dead_key_policy(DeadKeyPolicy::Continue))
@@ -478,18 +491,16 @@ async fn retry_dead_of_a_continue_job_reenters_at_the_end_of_its_key() {
         let rec = db.store.job(first).await.unwrap();
         assert_eq!((rec.state, rec.key_seq), (JobState::Waiting, Some(4)));
         nothing_claimable(&db, &w).await;
-        run(&db, &running_second).await;
-        let mut order = Vec::new();
+        run(&db, &h, &running_second).await;
         for _ in 0..2 {
             let j = claim_one(&db, &w).await;
-            order.push(j.id);
-            run(&db, &j).await;
+            run(&db, &h, &j).await;
         }
-        assert_eq!(order, vec![third, first]);
+        assert_eq!(h.assert_key_order()["acct"], vec![second, third, first]);
         nothing_claimable(&db, &w).await;
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 3);
         assert_eq!(db.count_where("job_keys", "open_jobs = 0").await, 1);
-        assert_eq!(db.effect_count(None).await, 3);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 3);
         db.drop().await;
     })
     .await
@@ -499,7 +510,7 @@ async fn retry_dead_of_a_continue_job_reenters_at_the_end_of_its_key() {
 async fn history_lists_every_transition_with_its_generation_and_actor() {
     bounded(async {
         let db = TestDb::new("admin_history").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("k")).await.unwrap();
         let a = owner("a");
         let b = owner("b");
@@ -534,7 +545,7 @@ async fn history_lists_every_transition_with_its_generation_and_actor() {
             .await
             .unwrap();
         let j = claim_one(&db, &b).await;
-        run(&db, &j).await;
+        run(&db, &h, &j).await;
 
         let h = db.store.history(id).await.unwrap();
         let got: Vec<(&str, i64, Option<&str>)> = h
@@ -559,7 +570,8 @@ async fn history_lists_every_transition_with_its_generation_and_actor() {
         assert_eq!(h[1].detail.as_deref(), Some("flaky"));
         assert_eq!(h[3].detail.as_deref(), Some("shutting down"));
         assert_eq!(state(&db, id).await, JobState::Done);
-        assert_eq!(db.effect_count(None).await, 1);
+        // The one attempt that ran the handler, generation 4, is the one the ledger names.
+        db.assert_effect_once(id, 4, 4).await;
         db.drop().await;
     })
     .await
@@ -571,7 +583,7 @@ async fn a_refused_admin_action_leaves_no_row_locked() {
         // A refused action must not hold the job's (or its key's) row lock past its
         // return: a claim right after it would skip the job, an enqueue of the key wait.
         let db = TestDb::with_options("admin_refusal_locks", Default::default(), 3).await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(keyed("k", "acct", 1)).await.unwrap();
         let mut probe = db.raw_conn("probe").await;
         let w = owner("w");
@@ -611,7 +623,7 @@ async fn a_refused_admin_action_leaves_no_row_locked() {
             );
         }
         let j = claim_one(&db, &w).await;
-        run(&db, &j).await;
+        run(&db, &h, &j).await;
         assert_eq!(state(&db, id).await, JobState::Done);
         assert!(matches!(
             db.store.cancel(id, "done").await,
@@ -625,7 +637,7 @@ async fn a_refused_admin_action_leaves_no_row_locked() {
         .execute(&mut probe)
         .await;
         assert!(free.is_ok(), "after a refused cancel: {free:?}");
-        assert_eq!(db.effect_count(None).await, 1);
+        db.assert_effect_once(id, 1, 1).await;
         drop(probe);
         db.drop().await;
     })

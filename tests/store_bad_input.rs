@@ -15,7 +15,6 @@ async fn oversized_payload_is_refused_and_nothing_written() {
             ..StoreOptions::default()
         };
         let db = TestDb::with_options("bad_payload_too_large", opts, 4).await;
-        db.create_effects_table().await;
         let existing = db.store.enqueue(job("k")).await.unwrap();
         let big = NewJob::from_json("k", serde_json::json!({ "blob": "x".repeat(2000) }));
         match db.store.enqueue(big.clone()).await {
@@ -52,15 +51,12 @@ async fn oversized_payload_is_refused_and_nothing_written() {
             vec![existing, at_limit]
         );
         for j in &got {
-            db.apply_effect(&format!("{}/run", j.id), j.id, j.generation)
-                .await;
             assert_eq!(
                 db.store.complete(&j.fence(), None).await.unwrap(),
                 CompleteOutcome::Completed
             );
         }
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 2);
-        assert_eq!(db.effect_count(None).await, 2);
         db.drop().await;
     })
     .await
@@ -70,7 +66,6 @@ async fn oversized_payload_is_refused_and_nothing_written() {
 async fn payload_with_nul_is_invalid_and_nothing_written() {
     bounded(async {
         let db = TestDb::new("bad_payload_nul").await;
-        db.create_effects_table().await;
         for payload in [
             serde_json::json!({ "s": "a\u{0000}b" }),
             serde_json::json!(["\u{0000}"]),
@@ -104,7 +99,6 @@ async fn payload_with_nul_is_invalid_and_nothing_written() {
             Err(e) => panic!("a literal backslash-u0000 text was refused: {e}"),
         }
         assert_eq!(db.job_count().await, 1);
-        assert_eq!(db.effect_count(None).await, 0);
         db.drop().await;
     })
     .await
@@ -114,7 +108,6 @@ async fn payload_with_nul_is_invalid_and_nothing_written() {
 async fn failure_reason_with_nul_and_a_megabyte_is_stored_sanitized_and_truncated() {
     bounded(async {
         let db = TestDb::new("bad_failure_reason").await;
-        db.create_effects_table().await;
         let id = db
             .store
             .enqueue(job("k").with_max_attempts(5))
@@ -124,8 +117,6 @@ async fn failure_reason_with_nul_and_a_megabyte_is_stored_sanitized_and_truncate
 
         // NUL in the reason: stored, with the NUL made visible.
         let j = db.store.claim(&claim_req(&w, 1)).await.unwrap().remove(0);
-        db.apply_effect(&format!("{id}/run"), id, j.generation)
-            .await;
         let out = db
             .store
             .fail(
@@ -152,8 +143,6 @@ async fn failure_reason_with_nul_and_a_megabyte_is_stored_sanitized_and_truncate
             .await
             .unwrap()
             .remove(0);
-        db.apply_effect(&format!("{id}/run"), id, j.generation)
-            .await;
         let huge = "é".repeat(512 * 1024) + "\0";
         assert_eq!(huge.len(), 1024 * 1024 + 1);
         let out = db
@@ -191,7 +180,6 @@ async fn failure_reason_with_nul_and_a_megabyte_is_stored_sanitized_and_truncate
                 .await,
             1
         );
-        assert_eq!(db.effect_count(None).await, 2);
         db.drop().await;
     })
     .await
@@ -201,7 +189,6 @@ async fn failure_reason_with_nul_and_a_megabyte_is_stored_sanitized_and_truncate
 async fn permanent_failure_makes_the_job_dead_at_once_with_its_reason() {
     bounded(async {
         let db = TestDb::new("bad_permanent_failure").await;
-        db.create_effects_table().await;
         // A payload that does not match the handler's type: the handler cannot decode it
         // and reports a permanent failure on the first attempt of 25.
         let id = db.store.enqueue(NewJob::from_json("charge", serde_json::json!({ "amount": "not a number" }))).await.unwrap();
@@ -219,7 +206,6 @@ async fn permanent_failure_makes_the_job_dead_at_once_with_its_reason() {
         assert!(db.store.claim(&claim_at(&w, 10, far_future())).await.unwrap().is_empty(), "no crash loop");
         let events: Vec<String> = db.store.history(id).await.unwrap().into_iter().map(|e| e.event).collect();
         assert_eq!(events, vec!["claimed", "dead"]);
-        assert_eq!(db.effect_count(None).await, 0);
         db.drop().await;
     })
     .await
@@ -229,7 +215,6 @@ async fn permanent_failure_makes_the_job_dead_at_once_with_its_reason() {
 async fn a_worker_never_claims_a_kind_it_does_not_know() {
     bounded(async {
         let db = TestDb::new("bad_unknown_kind").await;
-        db.create_effects_table().await;
         let unknown = db
             .store
             .enqueue(job("unknown").with_priority(-10))
@@ -249,8 +234,6 @@ async fn a_worker_never_claims_a_kind_it_does_not_know() {
             let got = db.store.claim(&req).await.unwrap();
             for j in &got {
                 assert_eq!(j.kind, "known");
-                db.apply_effect(&format!("{}/run", j.id), j.id, j.generation)
-                    .await;
                 assert_eq!(
                     db.store.complete(&j.fence(), None).await.unwrap(),
                     CompleteOutcome::Completed
@@ -273,7 +256,6 @@ async fn a_worker_never_claims_a_kind_it_does_not_know() {
                 (JobState::Pending, 0, 0)
             );
         }
-        assert_eq!(db.effect_count(None).await, 2);
         db.drop().await;
     })
     .await

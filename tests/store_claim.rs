@@ -3,8 +3,13 @@
 //! never commits leaves the job exactly as it was.
 
 mod common;
+#[path = "common/handler.rs"]
+mod handler;
+
+use std::collections::HashMap;
 
 use common::*;
+use handler::{Path, TestHandler};
 use leasehold::{CompleteOutcome, Generation, JobId, StoreOptions};
 use sqlx::Connection;
 
@@ -12,7 +17,6 @@ use sqlx::Connection;
 async fn claim_skips_a_row_locked_by_another_worker_without_blocking() {
     bounded(async {
         let db = TestDb::with_options("claim_skips_locked", StoreOptions::default(), 3).await;
-        db.create_effects_table().await;
         let ids = db
             .store
             .enqueue_many(vec![job("k"), job("k"), job("k")])
@@ -57,8 +61,6 @@ async fn claim_skips_a_row_locked_by_another_worker_without_blocking() {
 
         // B runs its jobs.
         for j in got.iter().chain(more.iter()) {
-            db.apply_effect(&format!("{}/run", j.id), j.id, j.generation)
-                .await;
             assert_eq!(
                 db.store.complete(&j.fence(), None).await.unwrap(),
                 CompleteOutcome::Completed
@@ -73,8 +75,6 @@ async fn claim_skips_a_row_locked_by_another_worker_without_blocking() {
         assert_eq!(rec.attempts, 0);
         assert_eq!(db.state_of(second).await, "done");
         assert_eq!(db.state_of(third).await, "done");
-        assert_eq!(db.effect_count(None).await, 2);
-        assert_eq!(db.effect_count(Some(&format!("{first}/run"))).await, 0);
         a.close().await.unwrap();
         db.drop().await;
     })
@@ -85,7 +85,7 @@ async fn claim_skips_a_row_locked_by_another_worker_without_blocking() {
 async fn concurrent_claims_never_hand_out_one_job_twice() {
     bounded(async {
         let db = TestDb::with_options("claim_no_dupes", StoreOptions::default(), 2).await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let n = 200;
         let ids = db
             .store
@@ -101,6 +101,8 @@ async fn concurrent_claims_never_hand_out_one_job_twice() {
             } else {
                 other.clone()
             };
+            let h = h.clone();
+            // Each worker runs the handler of every job it claimed, as it claims them.
             tasks.push(tokio::spawn(async move {
                 let me = owner(&format!("w{w}"));
                 let mut mine = Vec::new();
@@ -108,6 +110,9 @@ async fn concurrent_claims_never_hand_out_one_job_twice() {
                     let got = store.claim(&claim_req(&me, 7)).await.unwrap();
                     if got.is_empty() {
                         break;
+                    }
+                    for j in &got {
+                        h.run(&store, j).await;
                     }
                     mine.extend(got);
                 }
@@ -126,8 +131,23 @@ async fn concurrent_claims_never_hand_out_one_job_twice() {
 
         for j in &claimed {
             assert_eq!(j.generation, Generation(1));
-            db.apply_effect(&format!("{}/run", j.id), j.id, j.generation)
-                .await;
+        }
+        // By the handler's own log, every job ran exactly once, and acted.
+        let mut runs: HashMap<JobId, usize> = HashMap::new();
+        for run in h.runs() {
+            assert_eq!(run.path, Path::Acted, "{run:?}");
+            *runs.entry(run.job).or_default() += 1;
+        }
+        let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "jobs run more than once: {twice:?}");
+        assert_eq!(runs.len(), n as usize);
+        assert_eq!(db.assert_no_duplicate_effects().await, n as usize);
+        for id in &ids {
+            let rec = db
+                .ledger(*id)
+                .await
+                .expect("each job's effect is in the ledger");
+            assert_eq!(rec.generation, Generation(1));
         }
         assert_eq!(
             db.count_where(
@@ -137,7 +157,6 @@ async fn concurrent_claims_never_hand_out_one_job_twice() {
             .await,
             n
         );
-        assert_eq!(db.effect_count(None).await, n);
         other.pool().close().await;
         db.drop().await;
     })
@@ -148,7 +167,6 @@ async fn concurrent_claims_never_hand_out_one_job_twice() {
 async fn claim_killed_before_commit_leaves_job_pending_for_another_worker() {
     bounded(async {
         let db = TestDb::with_options("claim_killed_uncommitted", StoreOptions::default(), 3).await;
-        db.create_effects_table().await;
         let id = db.store.enqueue(job("k")).await.unwrap();
 
         // A claims by hand on its own session: lock the candidate and write the lease,
@@ -195,11 +213,9 @@ async fn claim_killed_before_commit_leaves_job_pending_for_another_worker() {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].id, id);
         assert_eq!(got[0].generation, Generation(1));
-        db.apply_effect(&format!("{id}/run"), id, got[0].generation).await;
         assert_eq!(db.store.complete(&got[0].fence(), None).await.unwrap(), CompleteOutcome::Completed);
 
         assert_eq!(db.state_of(id).await, "done");
-        assert_eq!(db.effect_count(None).await, 1);
         db.drop().await;
     })
     .await

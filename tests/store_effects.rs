@@ -4,49 +4,32 @@
 //! whose reply was lost is asked again and returns the stored result.
 
 mod common;
+#[path = "common/handler.rs"]
+mod handler;
 
 use common::*;
+use handler::{effect_key, Path, TestHandler};
 use leasehold::store::RecordOutcome;
-use leasehold::{ClaimedJob, CompleteOutcome, Generation, JobState, Store, StoreOptions};
+use leasehold::{ClaimedJob, CompleteOutcome, Generation, JobState, StoreOptions};
 
 const KEEP: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
-
-/// The "charge" step of a handler: reconcile by effect key first, act only if the
-/// ledger has no outcome, then record the outcome under the fence.
-async fn charge(db: &TestDb, store: &Store, j: &ClaimedJob) -> Option<serde_json::Value> {
-    let key = format!("{}/charge", j.id);
-    if let Some(done) = store.effect(&key).await.unwrap() {
-        return Some(done.outcome);
-    }
-    db.apply_effect(&key, j.id, j.generation).await;
-    let outcome = serde_json::json!({ "charged": 100, "by_generation": j.generation.0 });
-    match store
-        .record_effect(&j.fence(), &key, "sha256:charge-100", &outcome, KEEP)
-        .await
-        .unwrap()
-    {
-        RecordOutcome::Recorded => Some(outcome),
-        RecordOutcome::AlreadyRecorded(rec) => Some(rec.outcome),
-        RecordOutcome::Stale => None,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effect_done_but_completion_lost_is_not_repeated_by_the_retry() {
     bounded(async {
         let db = TestDb::with_options("effects_completion_lost", StoreOptions::default(), 3).await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("charge")).await.unwrap();
-        let key = format!("{id}/charge");
+        let key = effect_key(id);
 
-        // A claims, charges, records the charge ... and dies before completing.
+        // A claims, runs its handler (the charge happens and the ledger records it) ...
+        // and dies before completing.
         let a_store = db.other_store_sized("a", 1).await;
         let a = owner("a");
         let a_job = a_store.claim(&claim_req(&a, 1)).await.unwrap().remove(0);
-        let a_outcome = charge(&db, &a_store, &a_job)
-            .await
-            .expect("A holds the fence");
-        assert_eq!(db.effect_count(Some(&key)).await, 1);
+        let a_run = h.run(&a_store, &a_job).await;
+        assert_eq!(a_run.path, Path::Acted);
+        let a_outcome = a_run.result.clone().expect("A holds the fence");
         db.kill_and_wait("a").await;
         a_store.pool().close().await;
         assert_eq!(
@@ -74,17 +57,18 @@ async fn effect_done_but_completion_lost_is_not_repeated_by_the_retry() {
             .remove(0);
         assert_eq!(b_job.generation, Generation(2));
 
-        // B finds the charge by its key and reuses the outcome instead of charging again.
-        let found = db
-            .store
-            .effect(&key)
-            .await
-            .unwrap()
-            .expect("the ledger has A's charge");
+        // The ledger has A's charge; B's handler gets its outcome instead of charging
+        // again.
+        let found = db.ledger(id).await.expect("the ledger has A's charge");
         assert_eq!(found.job, id);
         assert_eq!(found.generation, Generation(1));
-        assert_eq!(found.fingerprint, "sha256:charge-100");
-        let b_outcome = charge(&db, &db.store, &b_job).await.unwrap();
+        let b_run = h.run(&db.store, &b_job).await;
+        assert_eq!(
+            b_run.path,
+            Path::Ledger,
+            "B must reuse A's recorded charge: {b_run:?}"
+        );
+        let b_outcome = b_run.result.clone().unwrap();
         assert_eq!(b_outcome, a_outcome);
         assert_eq!(
             db.store
@@ -100,7 +84,7 @@ async fn effect_done_but_completion_lost_is_not_repeated_by_the_retry() {
             .record_effect(
                 &b_job.fence(),
                 &key,
-                "sha256:charge-100",
+                &found.fingerprint,
                 &serde_json::json!("other"),
                 KEEP,
             )
@@ -114,11 +98,7 @@ async fn effect_done_but_completion_lost_is_not_repeated_by_the_retry() {
         let rec = db.store.job(id).await.unwrap();
         assert_eq!(rec.state, JobState::Done);
         assert_eq!(rec.result, Some(a_outcome));
-        assert_eq!(
-            db.effect_count(Some(&key)).await,
-            1,
-            "the charge happened once"
-        );
+        db.assert_effect_once(id, 1, 1).await;
         assert_eq!(db.count_where("effects", "true").await, 1);
         db.drop().await;
     })
@@ -129,9 +109,9 @@ async fn effect_done_but_completion_lost_is_not_repeated_by_the_retry() {
 async fn stale_worker_cannot_record_an_effect_after_a_newer_claim() {
     bounded(async {
         let db = TestDb::new("effects_stale_record").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("charge")).await.unwrap();
-        let key = format!("{id}/charge");
+        let key = effect_key(id);
         let a = owner("a");
         let a_job = db.store.claim(&claim_req(&a, 1)).await.unwrap().remove(0);
 
@@ -149,14 +129,24 @@ async fn stale_worker_cannot_record_an_effect_after_a_newer_claim() {
             .unwrap()
             .remove(0);
 
-        // B charges and records first; A wakes up and tries to record its own charge.
-        let b_outcome = charge(&db, &db.store, &b_job).await.unwrap();
+        // B charges and records first; A wakes up and runs its handler: it gets B's
+        // outcome and does not charge. Recording by hand under A's fence is refused.
+        let b_run = h.run(&db.store, &b_job).await;
+        assert_eq!(b_run.path, Path::Acted);
+        let b_outcome = b_run.result.clone().unwrap();
+        let a_run = h.run(&db.store, &a_job).await;
+        assert_eq!(
+            (a_run.path, a_run.applied_by()),
+            (Path::Ledger, Some(2)),
+            "stale A must get B's recorded outcome, not charge: {a_run:?}"
+        );
+        let fingerprint = db.ledger(id).await.unwrap().fingerprint;
         let late = db
             .store
             .record_effect(
                 &a_job.fence(),
                 &key,
-                "sha256:charge-100",
+                &fingerprint,
                 &serde_json::json!("A"),
                 KEEP,
             )
@@ -170,7 +160,7 @@ async fn stale_worker_cannot_record_an_effect_after_a_newer_claim() {
             .record_effect(
                 &b_job.fence(),
                 &key,
-                "sha256:charge-100",
+                &fingerprint,
                 &serde_json::json!("again"),
                 KEEP,
             )
@@ -188,11 +178,7 @@ async fn stale_worker_cannot_record_an_effect_after_a_newer_claim() {
             CompleteOutcome::Completed
         );
         assert_eq!(db.state_of(id).await, "done");
-        assert_eq!(
-            db.store.effect(&key).await.unwrap().unwrap().generation,
-            Generation(2)
-        );
-        assert_eq!(db.effect_generations(&key).await, vec![2]);
+        db.assert_effect_once(id, 2, 2).await;
         db.drop().await;
     })
     .await
@@ -203,17 +189,15 @@ async fn stale_worker_cannot_record_an_effect_after_a_newer_claim() {
 /// handler runs and the job is completed.
 async fn deliver(
     db: &TestDb,
+    h: &TestHandler,
     j: &ClaimedJob,
     result: &serde_json::Value,
-    handler_runs: &mut u32,
 ) -> CompleteOutcome {
     let status = db.store.completion_status(&j.fence()).await.unwrap();
     if let CompleteOutcome::AlreadyCompleted { .. } = status {
         return status;
     }
-    *handler_runs += 1;
-    db.apply_effect(&format!("{}/report", j.id), j.id, j.generation)
-        .await;
+    h.run(&db.store, j).await.result.unwrap();
     db.store
         .complete(&j.fence(), Some(result.clone()))
         .await
@@ -224,33 +208,26 @@ async fn deliver(
 async fn completion_reply_lost_asking_again_returns_stored_result_without_rerun() {
     bounded(async {
         let db = TestDb::new("effects_reply_lost").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("report")).await.unwrap();
         let me = owner("w");
         let j = db.store.claim(&claim_req(&me, 1)).await.unwrap().remove(0);
         let result = serde_json::json!({ "rows": 42, "text": "ünïcødé ✓" });
 
         // The handler runs and the completion commits, but its reply is "lost".
-        let mut handler_runs = 0;
-        let _lost_reply = deliver(&db, &j, &result, &mut handler_runs).await;
-        assert_eq!(handler_runs, 1);
+        let _lost_reply = deliver(&db, &h, &j, &result).await;
+        assert_eq!(h.runs().len(), 1);
 
         // Asking again (same fence) says it is already done and returns the stored
         // result; the handler is not run again.
-        let again = deliver(
-            &db,
-            &j,
-            &serde_json::json!("a different result"),
-            &mut handler_runs,
-        )
-        .await;
+        let again = deliver(&db, &h, &j, &serde_json::json!("a different result")).await;
         assert_eq!(
             again,
             CompleteOutcome::AlreadyCompleted {
                 result: Some(result.clone())
             }
         );
-        assert_eq!(handler_runs, 1);
+        assert_eq!(h.runs().len(), 1, "the handler ran once");
         let completed_again = db
             .store
             .complete(&j.fence(), Some(serde_json::json!("other")))
@@ -292,7 +269,7 @@ async fn completion_reply_lost_asking_again_returns_stored_result_without_rerun(
         let rec = db.store.job(id).await.unwrap();
         assert_eq!(rec.state, JobState::Done);
         assert_eq!(rec.result, Some(result));
-        assert_eq!(db.effect_count(None).await, 1);
+        db.assert_effect_once(id, 1, 1).await;
         assert_eq!(
             db.count_where(
                 "job_events",

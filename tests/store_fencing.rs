@@ -1,11 +1,15 @@
 //! Fencing: a worker whose generation is no longer the row's cannot complete, fail,
 //! renew or record an effect — even while the row is `running` again under a newer
 //! generation, and even when the newer generation belongs to the same owner (so it is
-//! the generation check that refuses, not the state or owner check).
+//! the generation check that refuses, not the state or owner check). A stale attempt
+//! that runs its handler anyway gets the current generation's effect from the ledger.
 
 mod common;
+#[path = "common/handler.rs"]
+mod handler;
 
 use common::*;
+use handler::{Opts, Path, TestHandler};
 use leasehold::store::RecordOutcome;
 use leasehold::{
     ClaimedJob, CompleteOutcome, FailOutcome, Failure, Generation, JobId, JobState, OwnerId,
@@ -89,7 +93,7 @@ async fn assert_running_under(db: &TestDb, id: JobId, generation: i64, who: &Own
 async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
     bounded(async {
         let db = TestDb::new("fencing_late_completion").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("k")).await.unwrap();
         advance_generation_to(&db, id, 6).await;
 
@@ -97,10 +101,23 @@ async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
         let a_job = db.store.claim(&claim_req(&a, 1)).await.unwrap().remove(0);
         assert_eq!(a_job.generation, Generation(7));
 
-        // A stalls; its lease passes; B claims generation 8.
+        // A stalls before its handler runs; its lease passes; B claims generation 8 and
+        // runs the handler: the effect happens and the ledger records it under 8.
         let b = owner("b");
         let b_job = expire_and_reclaim(&db, &a_job, &b).await;
         assert_eq!(b_job.generation, Generation(8));
+        let b_run = h.run(&db.store, &b_job).await;
+        assert_eq!(b_run.path, Path::Acted);
+
+        // A wakes up and runs its handler anyway: the ledger hands it B's outcome and
+        // the effect does not happen again.
+        let a_run = h.run(&db.store, &a_job).await;
+        assert_eq!(
+            (a_run.path, a_run.applied_by()),
+            (Path::Ledger, Some(8)),
+            "stale generation 7 must get generation 8's recorded outcome, not act: {a_run:?}"
+        );
+        db.assert_effect_once(id, 8, 8).await;
 
         // Every write A still tries is refused, and the row stays B's.
         assert_eq!(
@@ -155,7 +172,7 @@ async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
             .is_empty());
         assert_running_under(&db, id, 8, &b).await;
         assert_eq!(
-            db.effect_count(None).await,
+            db.effect_count(Some(&format!("{id}/write"))).await,
             0,
             "A's business write rolled back with its refused completion"
         );
@@ -182,6 +199,7 @@ async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
             Some(serde_json::json!("from B"))
         );
         assert_eq!(db.effect_generations(&format!("{id}/write")).await, vec![8]);
+        db.assert_effect_once(id, 8, 8).await;
         db.drop().await;
     })
     .await
@@ -194,14 +212,76 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
         // same process (same owner id) claims generation 8. Owner and state match the
         // row; only the generation tells the two attempts apart.
         let db = TestDb::new("fencing_same_owner").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("k")).await.unwrap();
         advance_generation_to(&db, id, 6).await;
         let me = owner("proc");
         let old = db.store.claim(&claim_req(&me, 1)).await.unwrap().remove(0);
         assert_eq!(old.generation, Generation(7));
+
+        // Generation 7's handler finds nothing in the ledger and stalls inside its act,
+        // just before the effect lands. The effect store has neither idempotency keys
+        // nor fencing, so the handler reconciles (looks the key up before acting).
+        let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+        let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+        let old_task = {
+            let (h, store, old) = (h.clone(), db.store.clone(), old.clone());
+            let pause = Box::pin(async move {
+                let _ = entered_tx.send(());
+                let _ = go_rx.await;
+            });
+            tokio::spawn(async move {
+                let opts = Opts {
+                    reconcile: true,
+                    pause: Some(pause),
+                };
+                h.run_with(&store, &old, opts).await
+            })
+        };
+        within(10, "generation 7 to enter its act", entered_rx)
+            .await
+            .unwrap();
+
+        // The lease passes and the same process claims generation 8.
         let new = expire_and_reclaim(&db, &old, &me).await;
         assert_eq!(new.generation, Generation(8));
+
+        // Generation 7's effect lands now, after its fence is gone: the ledger must
+        // refuse its record (owner and state match; only the generation differs).
+        go_tx.send(()).unwrap();
+        let old_run = within(10, "generation 7's handler", old_task)
+            .await
+            .unwrap();
+        assert_eq!(old_run.path, Path::Acted);
+        assert_eq!(
+            db.ledger(id).await,
+            None,
+            "stale generation 7 recorded an effect while generation 8 owned the job"
+        );
+        let err = old_run
+            .result
+            .clone()
+            .expect_err("generation 7's record was refused, yet its step reported success");
+        assert!(err.message().contains("lost the lease"), "{err}");
+
+        // Generation 8 finds the effect by its key in the store, records it, and does
+        // not act again.
+        let new_run = h
+            .run_with(
+                &db.store,
+                &new,
+                Opts {
+                    reconcile: true,
+                    pause: None,
+                },
+            )
+            .await;
+        assert_eq!(
+            (new_run.path, new_run.applied_by()),
+            (Path::Reconciled, Some(7)),
+            "{new_run:?}"
+        );
+        db.assert_effect_once(id, 7, 8).await;
 
         assert_eq!(
             run_in_one_transaction(&db, &old, serde_json::json!("old")).await,
@@ -261,7 +341,11 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
             .unwrap()
             .is_empty());
         assert_running_under(&db, id, 8, &me).await;
-        assert_eq!(db.effect_count(None).await, 0);
+        assert_eq!(
+            db.effect_count(Some(&format!("{id}/write"))).await,
+            0,
+            "the old generation's business write rolled back with its refused completion"
+        );
 
         assert_eq!(
             run_in_one_transaction(&db, &new, serde_json::json!("new")).await,
@@ -276,6 +360,7 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
             CompleteOutcome::Stale
         );
         assert_eq!(db.effect_generations(&format!("{id}/write")).await, vec![8]);
+        db.assert_effect_once(id, 7, 8).await;
         db.drop().await;
     })
     .await
@@ -285,7 +370,7 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
 async fn batched_completion_applies_only_current_generations() {
     bounded(async {
         let db = TestDb::new("fencing_complete_many").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let ids = db
             .store
             .enqueue_many(vec![job("k"), job("k")])
@@ -294,8 +379,13 @@ async fn batched_completion_applies_only_current_generations() {
         let me = owner("proc");
         let jobs = db.store.claim(&claim_req(&me, 2)).await.unwrap();
         assert_eq!(jobs.len(), 2);
-        // The first job's lease is lost and re-claimed by the same owner; the batch
-        // still carries the old generation for it.
+        // The first job's handler runs (generation 1) while its lease holds; its
+        // completion waits for the batch. The second has not started.
+        let first_g1 = jobs.iter().find(|j| j.id == ids[0]).unwrap();
+        assert_eq!(h.run(&db.store, first_g1).await.path, Path::Acted);
+
+        // Both leases are lost and re-claimed by the same owner; the batch still
+        // carries the old generation for the first job.
         let at = secs_after(jobs[0].lease_until, 1);
         let rep = db
             .store
@@ -309,13 +399,24 @@ async fn batched_completion_applies_only_current_generations() {
             .await
             .unwrap();
         assert_eq!(again.len(), 2);
+        // Both new attempts run: the first gets generation 1's outcome from the
+        // ledger, the second acts.
+        let first_g2 = again.iter().find(|j| j.id == ids[0]).unwrap();
         let fresh = again.iter().find(|j| j.id == ids[1]).unwrap();
+        let rerun = h.run(&db.store, first_g2).await;
+        assert_eq!(
+            (rerun.path, rerun.applied_by()),
+            (Path::Ledger, Some(1)),
+            "the re-claimed first job must get its recorded outcome, not act: {rerun:?}"
+        );
+        assert_eq!(h.run(&db.store, fresh).await.path, Path::Acted);
+
         let outcomes = db
             .store
             .complete_many(
                 &me,
                 &[
-                    (ids[0], Generation(1), None),
+                    (ids[0], first_g1.generation, None),
                     (ids[1], fresh.generation, Some(serde_json::json!(2))),
                 ],
             )
@@ -325,11 +426,12 @@ async fn batched_completion_applies_only_current_generations() {
             outcomes,
             vec![CompleteOutcome::Stale, CompleteOutcome::Completed]
         );
-        db.apply_effect(&format!("{}/run", ids[1]), ids[1], fresh.generation)
-            .await;
         assert_eq!(db.state_of(ids[0]).await, "running");
         assert_eq!(db.state_of(ids[1]).await, "done");
-        assert_eq!(db.effect_count(None).await, 1);
+        db.assert_effect_once(ids[0], 1, 1).await;
+        db.assert_effect_once(ids[1], 2, 2).await;
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 1);
+        assert_eq!(db.assert_no_duplicate_effects().await, 2);
         db.drop().await;
     })
     .await

@@ -1,17 +1,23 @@
 //! Per-key order: jobs of one key run one at a time in the order their enqueues
 //! committed (the key row lock fixes the sequence), only the head is claimable, and the
-//! successor is promoted in the transaction that ends the head.
+//! successor is promoted in the transaction that ends the head. Order and one-at-a-time
+//! are asserted on the handler's own execution log (start and end), not on leases.
 
 mod common;
+#[path = "common/handler.rs"]
+mod handler;
+
+use std::sync::Arc;
 
 use common::*;
+use handler::{Path, TestHandler};
 use leasehold::{ClaimedJob, CompleteOutcome, JobId, JobState, OwnerId, StoreOptions};
 use sqlx::Connection;
 
-/// Run the key to the end one job at a time and return the order the jobs ran in,
-/// asserting each time that a wide claim returns only the head.
-async fn drain_one_at_a_time(db: &TestDb, w: &OwnerId, expected_open: usize) -> Vec<JobId> {
-    let mut order = Vec::new();
+/// Run the key to the end one job at a time, through the handler, asserting each time
+/// that a wide claim returns only the head. The order the jobs ran in is the handler's
+/// log.
+async fn drain_one_at_a_time(db: &TestDb, h: &TestHandler, w: &OwnerId, expected_open: usize) {
     for _ in 0..expected_open {
         let got = db.store.claim(&claim_req(w, 10)).await.unwrap();
         assert_eq!(
@@ -23,16 +29,13 @@ async fn drain_one_at_a_time(db: &TestDb, w: &OwnerId, expected_open: usize) -> 
         let j = &got[0];
         // While the head runs, nothing else of the key is claimable.
         assert!(db.store.claim(&claim_req(w, 10)).await.unwrap().is_empty());
-        db.apply_effect(&format!("{}/run", j.id), j.id, j.generation)
-            .await;
+        assert_eq!(h.run(&db.store, j).await.path, Path::Acted);
         assert_eq!(
             db.store.complete(&j.fence(), None).await.unwrap(),
             CompleteOutcome::Completed
         );
-        order.push(j.id);
     }
     assert!(db.store.claim(&claim_req(w, 10)).await.unwrap().is_empty());
-    order
 }
 
 fn ids(jobs: &[ClaimedJob]) -> Vec<JobId> {
@@ -43,7 +46,7 @@ fn ids(jobs: &[ClaimedJob]) -> Vec<JobId> {
 async fn enqueues_of_one_key_run_in_commit_order_not_start_order() {
     bounded(async {
         let db = TestDb::with_options("key_commit_order", StoreOptions::default(), 2).await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let mut c1 = db.raw_conn("tx1").await;
         let mut c2 = db.raw_conn("tx2").await;
 
@@ -81,14 +84,15 @@ async fn enqueues_of_one_key_run_in_commit_order_not_start_order() {
         assert_eq!((rec2.state, rec2.key_seq), (JobState::Pending, Some(1)));
         assert_eq!((rec1.state, rec1.key_seq), (JobState::Waiting, Some(2)));
 
-        let order = drain_one_at_a_time(&db, &owner("w"), 3).await;
+        drain_one_at_a_time(&db, &h, &owner("w"), 3).await;
+        let order = h.assert_key_order();
         assert_eq!(
-            order,
+            order["acct"],
             vec![second_started, first_started, third],
-            "commit order"
+            "the handler must have run the key in commit order"
         );
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 3);
-        assert_eq!(db.effect_count(None).await, 3);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 3);
         c1.close().await.unwrap();
         c2.close().await.unwrap();
         db.drop().await;
@@ -100,7 +104,7 @@ async fn enqueues_of_one_key_run_in_commit_order_not_start_order() {
 async fn second_enqueue_of_a_key_waits_for_the_first_to_commit() {
     bounded(async {
         let db = TestDb::with_options("key_enqueue_blocks", StoreOptions::default(), 2).await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let mut c1 = db.raw_conn("tx1").await;
         let mut tx1 = c1.begin().await.unwrap();
         let first = db
@@ -144,22 +148,23 @@ async fn second_enqueue_of_a_key_waits_for_the_first_to_commit() {
         let got = db.store.claim(&claim_req(&w, 10)).await.unwrap();
         assert_eq!(ids(&got), vec![first, other], "one job per key");
         let o = got.iter().find(|j| j.id == other).unwrap();
-        db.apply_effect(&format!("{other}/run"), other, o.generation)
-            .await;
+        h.run(&db.store, o).await;
         db.store.complete(&o.fence(), None).await.unwrap();
         let f = got.iter().find(|j| j.id == first).unwrap();
-        db.apply_effect(&format!("{first}/run"), first, f.generation)
-            .await;
+        h.run(&db.store, f).await;
         assert_eq!(
             db.state_of(second).await,
             "waiting",
             "not before the head ends"
         );
         db.store.complete(&f.fence(), None).await.unwrap();
-        assert_eq!(drain_one_at_a_time(&db, &w, 1).await, vec![second]);
+        drain_one_at_a_time(&db, &h, &w, 1).await;
 
+        let order = h.assert_key_order();
+        assert_eq!(order["acct"], vec![first, second]);
+        assert_eq!(order["other"], vec![other]);
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 3);
-        assert_eq!(db.effect_count(None).await, 3);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 3);
         c1.close().await.unwrap();
         db.drop().await;
     })
@@ -170,7 +175,7 @@ async fn second_enqueue_of_a_key_waits_for_the_first_to_commit() {
 async fn a_batch_claim_never_returns_two_jobs_of_one_key() {
     bounded(async {
         let db = TestDb::new("key_batch_claim").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let mut batch = Vec::new();
         for n in 0..5 {
             for key in ["a", "b", "c"] {
@@ -188,36 +193,49 @@ async fn a_batch_claim_never_returns_two_jobs_of_one_key() {
                 break;
             }
             rounds += 1;
+            // The round's handlers run concurrently, and all of them are running at
+            // once (a barrier inside the act): two jobs of one key in a round would
+            // overlap in the handler's log.
+            let barrier = Arc::new(tokio::sync::Barrier::new(got.len()));
+            let mut running = Vec::new();
+            for j in got.iter().cloned() {
+                let (h, store, barrier) = (h.clone(), db.store.clone(), barrier.clone());
+                running.push(tokio::spawn(async move {
+                    let pause = Box::pin(async move {
+                        barrier.wait().await;
+                    });
+                    let opts = handler::Opts {
+                        reconcile: false,
+                        pause: Some(pause),
+                    };
+                    h.run_with(&store, &j, opts).await
+                }));
+            }
+            for r in running {
+                let run = within(30, "a round of handlers", r).await.unwrap();
+                assert_eq!(run.path, Path::Acted);
+            }
+            h.assert_key_order();
             let mut keys: Vec<&str> = got.iter().filter_map(|j| j.key.as_deref()).collect();
             let n = keys.len();
             keys.sort();
             keys.dedup();
             assert_eq!(keys.len(), n, "two jobs of one key in one claim: {keys:?}");
             for j in &got {
-                // Each key's jobs come in enqueue order.
-                db.apply_effect(&format!("{}/run", j.id), j.id, j.generation).await;
-            }
-            for j in &got {
-                assert_eq!(db.store.complete(&j.fence(), None).await.unwrap(), CompleteOutcome::Completed);
+                assert_eq!(
+                    db.store.complete(&j.fence(), None).await.unwrap(),
+                    CompleteOutcome::Completed
+                );
                 ran += 1;
             }
         }
         assert_eq!(rounds, 5, "each round runs one job of each key");
         assert_eq!(ran, 20);
-        for key in ["a", "b", "c"] {
-            let seqs: Vec<i64> = sqlx::query_scalar(&format!(
-                "SELECT j.key_seq FROM {} e JOIN {} j ON j.id = e.job_id WHERE j.job_key = $1 ORDER BY e.applied_at",
-                db.table("test_effects"),
-                db.table("jobs")
-            ))
-            .bind(key)
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-            assert_eq!(seqs, vec![1, 2, 3, 4, 5], "key {key} ran out of order");
-        }
+        let order = h.assert_key_order();
+        assert_eq!(order.len(), 3);
+        assert!(order.values().all(|jobs| jobs.len() == 5), "{order:?}");
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 20);
-        assert_eq!(db.effect_count(None).await, 20);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 20);
         db.drop().await;
     })
     .await
@@ -227,7 +245,7 @@ async fn a_batch_claim_never_returns_two_jobs_of_one_key() {
 async fn successor_is_promoted_by_the_completion_and_claimable_by_key() {
     bounded(async {
         let db = TestDb::new("key_promotion").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let ids = db
             .store
             .enqueue_many((1..=3).map(|n| keyed("k", "acct", n)).collect())
@@ -235,31 +253,22 @@ async fn successor_is_promoted_by_the_completion_and_claimable_by_key() {
             .unwrap();
         let w = owner("w");
         // claim_key: the sequencer's fast path for the next job of its key.
-        assert!(
-            db.store
-                .claim_key(&w, "default", "acct", None, LEASE, None)
-                .await
-                .unwrap()
-                .unwrap()
-                .id
-                == ids[0]
-        );
+        let head = db
+            .store
+            .claim_key(&w, "default", "acct", None, LEASE, None)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(head.id, ids[0]);
         assert!(db
             .store
             .claim_key(&w, "default", "acct", None, LEASE, None)
             .await
             .unwrap()
             .is_none());
-        let head = db.store.job(ids[0]).await.unwrap();
-        let fence = leasehold::Fence {
-            job: ids[0],
-            owner: w.clone(),
-            generation: head.generation,
-        };
-        db.apply_effect(&format!("{}/run", ids[0]), ids[0], head.generation)
-            .await;
+        h.run(&db.store, &head).await;
         assert_eq!(
-            db.store.complete(&fence, None).await.unwrap(),
+            db.store.complete(&head.fence(), None).await.unwrap(),
             CompleteOutcome::Completed
         );
         // Promotion happened in the completion's transaction: the next is pending now.
@@ -272,10 +281,10 @@ async fn successor_is_promoted_by_the_completion_and_claimable_by_key() {
             .unwrap()
             .unwrap();
         assert_eq!(next.id, ids[1]);
-        db.apply_effect(&format!("{}/run", next.id), next.id, next.generation)
-            .await;
+        h.run(&db.store, &next).await;
         db.store.complete(&next.fence(), None).await.unwrap();
-        assert_eq!(drain_one_at_a_time(&db, &w, 1).await, vec![ids[2]]);
+        drain_one_at_a_time(&db, &h, &w, 1).await;
+        assert_eq!(h.assert_key_order()["acct"], ids);
         let events: Vec<String> = db
             .store
             .history(ids[2])
@@ -287,7 +296,7 @@ async fn successor_is_promoted_by_the_completion_and_claimable_by_key() {
         assert_eq!(events, vec!["promoted", "claimed", "completed"]);
         assert_eq!(db.count_where("job_keys", "open_jobs = 0").await, 1);
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 3);
-        assert_eq!(db.effect_count(None).await, 3);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 3);
         db.drop().await;
     })
     .await
@@ -300,10 +309,12 @@ async fn successor_enqueued_while_the_head_completes_is_not_stranded() {
         // holds it: once the enqueue commits, the completion must see the new waiting
         // job and promote it (a stale snapshot would leave it waiting forever).
         let db = TestDb::with_options("key_promotion_race", StoreOptions::default(), 3).await;
-        db.create_effects_table().await;
+        let handler = TestHandler::new(&db).await;
         let head = db.store.enqueue(keyed("k", "acct", 1)).await.unwrap();
         let w = owner("w");
         let h = db.store.claim(&claim_req(&w, 1)).await.unwrap().remove(0);
+        // The head's handler runs; then its completion races the successor's enqueue.
+        assert_eq!(handler.run(&db.store, &h).await.path, Path::Acted);
 
         let mut c1 = db.raw_conn("tx1").await;
         let mut tx1 = c1.begin().await.unwrap();
@@ -331,12 +342,12 @@ async fn successor_enqueued_while_the_head_completes_is_not_stranded() {
         .await;
         tx1.commit().await.unwrap();
         assert_eq!(within(10, "completion", completing).await.unwrap(), CompleteOutcome::Completed);
-        db.apply_effect(&format!("{head}/run"), head, h.generation).await;
 
         assert_eq!(db.state_of(succ).await, "pending", "the successor must be promoted");
-        assert_eq!(drain_one_at_a_time(&db, &w, 1).await, vec![succ]);
+        drain_one_at_a_time(&db, &handler, &w, 1).await;
+        assert_eq!(handler.assert_key_order()["acct"], vec![head, succ]);
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 2);
-        assert_eq!(db.effect_count(None).await, 2);
+        assert_eq!(db.assert_done_jobs_have_their_effects().await, 2);
         c1.close().await.unwrap();
         db.drop().await;
     })

@@ -1,22 +1,26 @@
 //! Lease expiry: a worker that dies after its claim committed leaves a running lease;
 //! nothing is claimable while it runs, the reaper (judging by the database clock, moved
 //! here with the `at` test clock) records the expiry and puts the job back with backoff,
-//! and the next claim gets the next generation.
+//! and the next claim gets the next generation. A lost attempt that wakes up, or an
+//! operator's retry of a dead job, never repeats the effect the ledger holds.
 
 mod common;
+#[path = "common/handler.rs"]
+mod handler;
 
 use chrono::{DateTime, Utc};
 use common::*;
+use handler::{Path, TestHandler};
 use leasehold::{CompleteOutcome, Generation, JobState, StoreOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_generation() {
     bounded(async {
         let db = TestDb::with_options("lease_killed_after_claim", StoreOptions::default(), 3).await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("k")).await.unwrap();
 
-        // A claims on its own pool and dies before running the job.
+        // A claims on its own pool; its session dies before the job runs.
         let a_store = db.other_store_sized("a", 1).await;
         let a = owner("a");
         let got = a_store.claim(&claim_req(&a, 1)).await.unwrap();
@@ -101,15 +105,30 @@ async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_gene
         assert_eq!(again[0].id, id);
         assert_eq!(again[0].generation, Generation(2));
         assert_eq!(again[0].attempt, 2, "the lost attempt counts");
-        db.apply_effect(&format!("{id}/run"), id, again[0].generation)
-            .await;
+        let b_run = h.run(&db.store, &again[0]).await;
+        assert_eq!(b_run.path, Path::Acted);
         assert_eq!(
             db.store.complete(&again[0].fence(), None).await.unwrap(),
             CompleteOutcome::Completed
         );
-
         assert_eq!(db.state_of(id).await, "done");
-        assert_eq!(db.effect_generations(&format!("{id}/run")).await, vec![2]);
+
+        // Only A's session died; A's process was stalled, not gone. It wakes up on a
+        // fresh connection and runs the handler of its lost attempt: the ledger hands
+        // it B's outcome, the effect does not happen again, and its completion is stale.
+        let a_again = db.other_store_sized("a-again", 1).await;
+        let a_run = h.run(&a_again, &got[0]).await;
+        assert_eq!(
+            (a_run.path, a_run.applied_by()),
+            (Path::Ledger, Some(2)),
+            "A's stale attempt must get generation 2's recorded outcome, not act: {a_run:?}"
+        );
+        assert_eq!(
+            a_again.complete(&got[0].fence(), None).await.unwrap(),
+            CompleteOutcome::Stale
+        );
+        a_again.pool().close().await;
+        db.assert_effect_once(id, 2, 2).await;
         let events: Vec<String> = db
             .store
             .history(id)
@@ -128,7 +147,7 @@ async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_gene
 async fn expired_lease_with_attempts_spent_makes_the_job_dead() {
     bounded(async {
         let db = TestDb::new("lease_expiry_dead").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db
             .store
             .enqueue(job("k").with_max_attempts(1))
@@ -136,6 +155,8 @@ async fn expired_lease_with_attempts_spent_makes_the_job_dead() {
             .unwrap();
         let a = owner("a");
         let got = db.store.claim(&claim_req(&a, 1)).await.unwrap();
+        // A's handler runs its effect while the lease holds, then stalls past it.
+        assert_eq!(h.run(&db.store, &got[0]).await.path, Path::Acted);
         let at = secs_after(got[0].lease_until, 1);
         let report = db
             .store
@@ -161,7 +182,28 @@ async fn expired_lease_with_attempts_spent_makes_the_job_dead() {
             CompleteOutcome::Stale
         );
         assert_eq!(db.state_of(id).await, "dead");
-        assert_eq!(db.effect_count(None).await, 0);
+        // The dead job keeps its effect in the ledger: an operator's retry runs the
+        // handler again, which gets A's outcome instead of acting a second time.
+        db.assert_effect_once(id, 1, 1).await;
+        db.store.retry_dead(id).await.unwrap();
+        let retry = db
+            .store
+            .claim(&claim_at(&owner("b"), 1, far_future()))
+            .await
+            .unwrap()
+            .remove(0);
+        assert_eq!(retry.generation, Generation(2));
+        let rerun = h.run(&db.store, &retry).await;
+        assert_eq!(
+            (rerun.path, rerun.applied_by()),
+            (Path::Ledger, Some(1)),
+            "the retried dead job must reuse its recorded outcome, not act: {rerun:?}"
+        );
+        assert_eq!(
+            db.store.complete(&retry.fence(), None).await.unwrap(),
+            CompleteOutcome::Completed
+        );
+        db.assert_effect_once(id, 1, 1).await;
         db.drop().await;
     })
     .await
@@ -171,7 +213,7 @@ async fn expired_lease_with_attempts_spent_makes_the_job_dead() {
 async fn renewal_moves_the_deadline_and_keeps_the_reaper_away() {
     bounded(async {
         let db = TestDb::new("lease_renewal").await;
-        db.create_effects_table().await;
+        let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("k")).await.unwrap();
         let a = owner("a");
         let mut req = claim_req(&a, 1);
@@ -202,14 +244,14 @@ async fn renewal_moves_the_deadline_and_keeps_the_reaper_away() {
             .await
             .unwrap()
             .is_empty());
-        db.apply_effect(&format!("{id}/run"), id, got[0].generation)
-            .await;
+        // The handler, still within its renewed lease, runs and completes.
+        assert_eq!(h.run(&db.store, &got[0]).await.path, Path::Acted);
         assert_eq!(
             db.store.complete(&got[0].fence(), None).await.unwrap(),
             CompleteOutcome::Completed
         );
         assert_eq!(db.state_of(id).await, "done");
-        assert_eq!(db.effect_count(None).await, 1);
+        db.assert_effect_once(id, 1, 1).await;
         db.drop().await;
     })
     .await

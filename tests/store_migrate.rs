@@ -41,8 +41,6 @@ async fn smoke_run(db: &TestDb, store: &Store) {
     req.kinds = Some(vec!["smoke".into()]);
     let j = store.claim(&req).await.unwrap().remove(0);
     assert_eq!(j.id, id);
-    db.apply_effect(&format!("{id}/run"), id, j.generation)
-        .await;
     assert_eq!(
         store.complete(&j.fence(), None).await.unwrap(),
         CompleteOutcome::Completed
@@ -54,7 +52,6 @@ async fn smoke_run(db: &TestDb, store: &Store) {
 async fn migrating_twice_is_a_no_op() {
     bounded(async {
         let db = TestDb::new("migrate_twice").await;
-        db.create_effects_table().await;
         let keep = db.store.enqueue(job("k")).await.unwrap();
         let before = catalog(&db).await;
         assert_eq!(before.0.len(), leasehold::store::SCHEMA_VERSION as usize);
@@ -72,7 +69,6 @@ async fn migrating_twice_is_a_no_op() {
         );
         smoke_run(&db, &db.store).await;
         assert_eq!(db.job_count().await, 2);
-        assert_eq!(db.effect_count(None).await, 1);
         db.drop().await;
     })
     .await
@@ -119,9 +115,7 @@ async fn four_concurrent_migrations_of_a_fresh_schema_all_succeed() {
         for s in &stores[1..] {
             s.pool().close().await;
         }
-        db.create_effects_table().await;
         smoke_run(&db, &db.store).await;
-        assert_eq!(db.effect_count(None).await, 1);
         db.drop().await;
     })
     .await
@@ -182,24 +176,11 @@ async fn migration_never_creates_or_touches_the_hosts_sqlx_migrations() {
         .unwrap();
         assert_eq!(own, vec!["leasehold", "leasehold_two"]);
 
-        // The store works there: one job done, one effect.
+        // The store works there: one job done.
         let id = store.enqueue(job("k")).await.unwrap();
         let j = store.claim(&claim_req(&owner("w"), 1)).await.unwrap().remove(0);
-        sqlx::query("CREATE TABLE leasehold.test_effects (effect_key text, job_id bigint, generation bigint)")
-            .execute(&pool)
-            .await
-            .unwrap();
-        sqlx::query("INSERT INTO leasehold.test_effects VALUES ($1, $2, $3)")
-            .bind(format!("{id}/run"))
-            .bind(id.0)
-            .bind(j.generation.0)
-            .execute(&pool)
-            .await
-            .unwrap();
         assert_eq!(store.complete(&j.fence(), None).await.unwrap(), CompleteOutcome::Completed);
         assert_eq!(store.job(id).await.unwrap().state, leasehold::JobState::Done);
-        let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM leasehold.test_effects").fetch_one(&pool).await.unwrap();
-        assert_eq!(effects, 1);
 
         pool.close().await;
         sqlx::query(&format!("DROP DATABASE \"{name}\" WITH (FORCE)")).execute(&mut admin).await.unwrap();

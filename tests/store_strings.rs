@@ -39,7 +39,6 @@ fn hostile_strings() -> Vec<(&'static str, String)> {
 async fn hostile_queue_kind_and_key_strings_round_trip_unchanged() {
     bounded(async {
         let db = TestDb::new("strings_round_trip").await;
-        db.create_effects_table().await;
         let w = owner("w");
         let cases = hostile_strings();
         for (what, s) in &cases {
@@ -106,8 +105,6 @@ async fn hostile_queue_kind_and_key_strings_round_trip_unchanged() {
             );
             req.at = Some(secs_after(at, 2));
             let j = db.store.claim(&req).await.unwrap().remove(0);
-            db.apply_effect(&format!("{id}/run"), id, j.generation)
-                .await;
             assert_eq!(
                 db.store.complete(&j.fence(), None).await.unwrap(),
                 CompleteOutcome::Completed,
@@ -128,8 +125,6 @@ async fn hostile_queue_kind_and_key_strings_round_trip_unchanged() {
                 .unwrap()
                 .expect(what);
             assert_eq!(j2.id, next, "{what}: promoted successor");
-            db.apply_effect(&format!("{next}/run"), next, j2.generation)
-                .await;
             assert_eq!(
                 db.store.complete(&j2.fence(), None).await.unwrap(),
                 CompleteOutcome::Completed
@@ -142,7 +137,6 @@ async fn hostile_queue_kind_and_key_strings_round_trip_unchanged() {
             2 * cases.len() as i64
         );
         assert_eq!(db.job_count().await, 2 * cases.len() as i64);
-        assert_eq!(db.effect_count(None).await, 2 * cases.len() as i64);
         let stats = db.store.queue_stats().await.unwrap();
         assert_eq!(stats.len(), cases.len());
         db.drop().await;
@@ -154,7 +148,6 @@ async fn hostile_queue_kind_and_key_strings_round_trip_unchanged() {
 async fn incompressible_10kb_kind_round_trips_and_queue_or_key_never_half_writes() {
     bounded(async {
         let db = TestDb::new("strings_incompressible").await;
-        db.create_effects_table().await;
         let w = owner("w");
         let big = incompressible(10 * 1024);
 
@@ -162,8 +155,6 @@ async fn incompressible_10kb_kind_round_trips_and_queue_or_key_never_half_writes
         let id = db.store.enqueue(job(&big)).await.unwrap();
         let j = db.store.claim(&claim_req(&w, 10)).await.unwrap().remove(0);
         assert_eq!((j.id, &j.kind), (id, &big));
-        db.apply_effect(&format!("{id}/run"), id, j.generation)
-            .await;
         db.store.complete(&j.fence(), None).await.unwrap();
         assert_eq!(db.store.job(id).await.unwrap().kind, big);
 
@@ -196,7 +187,6 @@ async fn incompressible_10kb_kind_round_trips_and_queue_or_key_never_half_writes
             }
         }
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 1);
-        assert_eq!(db.effect_count(None).await, 1);
         db.drop().await;
     })
     .await
@@ -206,7 +196,6 @@ async fn incompressible_10kb_kind_round_trips_and_queue_or_key_never_half_writes
 async fn nul_in_queue_kind_or_key_is_refused_and_nothing_written() {
     bounded(async {
         let db = TestDb::new("strings_nul").await;
-        db.create_effects_table().await;
         let good = job("k");
         let cases = vec![
             ("queue", job("k").with_queue("q\0ueue")),
@@ -238,7 +227,6 @@ async fn nul_in_queue_kind_or_key_is_refused_and_nothing_written() {
             .await
             .unwrap()
             .is_empty());
-        assert_eq!(db.effect_count(None).await, 0);
         db.drop().await;
     })
     .await

@@ -325,15 +325,10 @@ impl TestDb {
         .unwrap();
     }
 
-    /// Apply an external effect (one row in `test_effects`).
-    pub async fn apply_effect(&self, effect_key: &str, job: JobId, generation: Generation) {
-        let mut conn = self.pool.acquire().await.unwrap();
-        self.apply_effect_in(&mut conn, effect_key, job, generation)
-            .await
-    }
-
     /// Apply an effect inside the caller's transaction (a business write in the same
-    /// database as the job).
+    /// database as the job, committed only if the job's completion in that transaction
+    /// is accepted). An external effect goes through the library instead: see
+    /// `common/handler.rs`.
     pub async fn apply_effect_in(
         &self,
         conn: &mut PgConnection,
