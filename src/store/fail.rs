@@ -16,7 +16,10 @@ use crate::job::{FailOutcome, Fence, Generation, JobId, OwnerId};
 /// The key row is locked only when this failure may end the key's head (cancelled, or
 /// dead under the Continue policy); a plain retry does not wait on it.
 pub(super) const FAIL: &str = r#"/* leasehold:fail */
-WITH kl AS MATERIALIZED (
+WITH t AS MATERIALIZED (
+    -- One moment for the row and its history: the retry's backoff counts from it.
+    SELECT clock_timestamp() AS now
+), kl AS MATERIALIZED (
     SELECT 1 FROM {s}.job_keys jk JOIN {s}.jobs j0
       ON j0.id = $1 AND jk.queue = j0.queue AND jk.job_key = j0.job_key
     WHERE j0.cancel_requested_at IS NOT NULL
@@ -29,11 +32,11 @@ WITH kl AS MATERIALIZED (
                      ELSE 'pending' END,
         available_at = CASE WHEN cancel_requested_at IS NOT NULL OR $5 OR attempts >= max_attempts
             THEN available_at
-            ELSE clock_timestamp() + make_interval(secs =>
+            ELSE (SELECT now FROM t) + make_interval(secs =>
                 least($7, $6 * power(2, least(greatest(attempts - 1, 0), 60)))
                 * (1 - $8 * random())) END,
         finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR $5 OR attempts >= max_attempts
-            THEN clock_timestamp() END,
+            THEN (SELECT now FROM t) END,
         lease_until = NULL,
         last_error = $4
     WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
@@ -43,7 +46,7 @@ WITH kl AS MATERIALIZED (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
     SELECT id, generation,
            CASE state WHEN 'dead' THEN 'dead' WHEN 'cancelled' THEN 'cancelled' ELSE 'failed' END,
-           $2, clock_timestamp(), $4
+           $2, (SELECT now FROM t), $4
     FROM u
 )
 SELECT * FROM u"#;
