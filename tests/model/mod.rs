@@ -1,0 +1,145 @@
+//! A model of leasehold's protocol and runtime, for the stateright model checker.
+#![allow(dead_code)]
+//!
+//! # What is modelled
+//! The database rows: each job's state, owner, generation, attempts, lease_until,
+//! available_at, key_seq and cancel_requested; each key's next_seq and open_jobs; the
+//! effect ledger; the row locks that a transaction holds across steps. A clock. Two (up
+//! to four) scheduler processes, each with its slots, claimer (claim statement, parked
+//! successors), per-key sequencers (queued attempts), executor (handler start, one
+//! effect through `JobContext::once`, ending), completer (one keyed completion per
+//! transaction, chained successor claims), lease renewer (renewal registry, local
+//! deadlines), and a reaper. A host transaction that enqueues a job with `enqueue_in`
+//! and holds its key row until it commits or rolls back. The operator's cancel, hold,
+//! release, retry_dead and prune. Crashes, pauses, and hung renewal connections. An
+//! external effect store that deduplicates by effect key, or one that fences by a
+//! per-key token (key_seq, generation).
+//!
+//! Each step is one transaction of the real code (or one statement where the
+//! transaction can wait between two), named after it, with the file and statement it
+//! models: [`actions::Action::statement`].
+//!
+//! # What is abstracted, and why
+//! - Time is relative ([`state`]): deadlines are "ticks left", clamped, so the clock
+//!   runs forever in a finite space. Lease 2 ticks, margin 1; backoff 1 tick.
+//! - The renewer runs every tick, inside the tick (a working renewer is never late:
+//!   the timing assumption under which a healthy process keeps its leases). A renewal's
+//!   send, update and reply are one step; a renewal that hangs is the hang fault.
+//! - Reaps and completions take one row per transaction (the real ones batch); a batch
+//!   only adds rows to the same waits. One claim statement in flight per process.
+//! - The sequencer's fetch-next (`claim_key`) is the claim statement restricted to a
+//!   key: its database step is [`actions::Action::Claim`]. Graceful shutdown (release)
+//!   is not modelled. Priorities are equal: claims take the lowest id first.
+//! - A handler makes one effect. A step that would wait for a lock is simply not
+//!   enabled until the lock is free; only steps that hold a lock while they wait (the
+//!   host transaction, an ending or reap waiting for a key row, the old RENEW) are
+//!   states of their own.
+//! - Processes are interchangeable (symmetry reduction, [`state::State::representative`]).
+//! - Budgets bound each fault and operator action ([`config::Config::bounded`]).
+//!
+//! # Properties
+//! See [`properties`]: no two handlers of a key run at once; a key's handlers start
+//! in key_seq order and only under a live lease; no stale generation's write is
+//! accepted; no job lost; no key stranded; a healthy process keeps its leases; no
+//! effect applied twice per effect key (dedup store) or the current attempt never
+//! fenced off (fencing store); and, from every state, a crash-free path on which every
+//! job ends (or waits for an operator).
+//!
+//! # Defects
+//! [`config::Defects`]: each switch puts one known old behaviour back, and
+//! `tests/model_check.rs` shows the counterexample the checker finds for it.
+
+pub mod actions;
+pub mod config;
+pub mod db;
+pub mod process;
+pub mod properties;
+pub mod state;
+pub mod trace;
+
+use std::time::{Duration, Instant};
+
+use stateright::{Checker, HasDiscoveries, Model};
+
+pub use actions::Leasehold;
+pub use config::Config;
+
+/// One failed property, with its trace.
+pub struct Found {
+    pub property: &'static str,
+    /// Steps from the initial state to the failing state.
+    pub steps: usize,
+    pub trace: String,
+}
+
+/// What a check explored.
+pub struct Explored {
+    /// States generated, repeats included.
+    pub states: usize,
+    pub unique: usize,
+    pub depth: usize,
+    pub elapsed: Duration,
+    pub failures: Vec<Found>,
+}
+
+/// Every reachable state (up to process renaming), depth first on `threads` threads.
+pub fn explore(cfg: Config, threads: usize) -> Explored {
+    explore_up_to(cfg, threads, 0)
+}
+
+/// [`explore`], stopping after about `max_states` generated states (0: no limit).
+pub fn explore_up_to(cfg: Config, threads: usize, max_states: usize) -> Explored {
+    let started = Instant::now();
+    let mut builder = Leasehold::new(cfg).checker().symmetry_fn(state::State::representative).threads(threads);
+    if max_states > 0 {
+        builder = builder.target_state_count(max_states);
+    }
+    finish(builder.spawn_dfs().join(), started)
+}
+
+/// The shortest counterexample of any property, breadth first (no symmetry reduction,
+/// so the trace names processes as they were).
+pub fn counterexample(cfg: Config, threads: usize) -> Explored {
+    let started = Instant::now();
+    let checker = Leasehold::new(cfg)
+        .checker()
+        .finish_when(HasDiscoveries::AnyFailures)
+        .threads(threads)
+        .spawn_bfs()
+        .join();
+    finish(checker, started)
+}
+
+fn finish(checker: impl Checker<Leasehold>, started: Instant) -> Explored {
+    let m = checker.model();
+    let mut failures: Vec<Found> = checker
+        .discoveries()
+        .into_iter()
+        .map(|(property, path)| {
+            let mut pairs = path.into_vec().into_iter();
+            let (first, mut action) = pairs.next().expect("a path starts somewhere");
+            let mut steps = Vec::new();
+            for (st, next) in pairs {
+                steps.push((action.expect("a step between states"), st));
+                action = next;
+            }
+            let mut trace = trace::render(m, &first, &steps);
+            if property == properties::CAN_END {
+                let last = steps.last().map_or(&first, |(_, s)| s).clone();
+                if let Err(rest) = properties::drain(m, &last) {
+                    trace.push_str("  then the crash-free schedule gets stuck:\n");
+                    trace.push_str(&trace::render(m, &last, &rest));
+                }
+            }
+            Found { property, steps: steps.len(), trace }
+        })
+        .collect();
+    failures.sort_by_key(|f| (f.steps, f.property));
+    Explored {
+        states: checker.state_count(),
+        unique: checker.unique_state_count(),
+        depth: checker.max_depth(),
+        elapsed: started.elapsed(),
+        failures,
+    }
+}
