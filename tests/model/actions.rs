@@ -49,34 +49,33 @@ pub enum Action {
 }
 
 impl Action {
-    /// Who takes the step, and the code it models.
+    /// Who takes the step, and the code it models (`End` and `Resume` are told apart
+    /// further by [`super::trace`], which sees the ending they write).
     pub fn statement(&self) -> (String, &'static str) {
         use Action::*;
         let p = |p: &ProcId| format!("p{p}");
         match self {
-            Tick => ("clock".into(), "tick: REAP; local deadlines; RENEW (renew_once)"),
-            HostEnqueue => ("host".into(), "BEGIN; src/store/enqueue.rs ENQUEUE via enqueue_in (key row locked)"),
+            Tick => ("clock".into(), "tick: reap.rs REAP, local deadlines, lease.rs RENEW"),
+            HostEnqueue => ("host".into(), "BEGIN; enqueue.rs ENQUEUE (enqueue_in)"),
             HostCommit => ("host".into(), "COMMIT of the host transaction"),
             HostRollback => ("host".into(), "ROLLBACK of the host transaction"),
-            Claim(x) => (p(x), "claimer.rs serve_parked; src/store/claim.rs CLAIM"),
-            Start(x, .., false) => (p(x), "attempt_once: lease check, handler; once: LOOKUP, act"),
-            Start(x, .., true) => (p(x), "attempt_once: lease check, handler returns an error"),
-            Deliver(_) => ("store".into(), "effect store applies / dedups / fences a request"),
-            Record(x, ..) => (p(x), "context.rs once: src/store/effects.rs RECORD; handler returns"),
-            End(x, .., false) => (p(x), "executor.rs write_ending: COMPLETE_MANY/_UNKEYED/FAIL"),
-            End(x, .., true) => (p(x), "COMPLETE_MANY + chained PROMOTE; successor parked"),
-            Resume(x, .., false) => (p(x), "ending gets the key row: LEAVE_KEYS, PROMOTE, COMMIT"),
-            Resume(x, .., true) => (p(x), "ending gets the key row; chained successor parked"),
-            ResumeReap(_) => ("reaper".into(), "reap gets the key row: end_heads, COMMIT"),
-            RenewResume(x) => (p(x), "old RENEW gets its row locks, COMMIT"),
-            Crash(x) => (p(x), "CRASH (process killed)"),
-            Pause(x) => (p(x), "PAUSE: frozen, or its renewal connection hangs"),
+            Claim(x) => (p(x), "claimer serve_parked; claim.rs CLAIM; dispatch"),
+            Start(x, .., false) => (p(x), "attempt_once: lease check, handler, once() acts"),
+            Start(x, .., true) => (p(x), "attempt_once: lease check, handler errs"),
+            Deliver(_) => ("store".into(), "effect store takes the request"),
+            Record(x, ..) => (p(x), "once(): effects.rs RECORD; handler returns"),
+            End(x, ..) => (p(x), "executor write_ending"),
+            Resume(x, ..) => (p(x), "ending gets the key row; COMMIT"),
+            ResumeReap(_) => ("reaper".into(), "reap gets the key row: end_heads; COMMIT"),
+            RenewResume(x) => (p(x), "old RENEW gets its row locks; COMMIT"),
+            Crash(x) => (p(x), "CRASH"),
+            Pause(x) => (p(x), "PAUSE: no renewal (frozen, or hung connection)"),
             Unpause(x) => (p(x), "the pause ends"),
-            Cancel(_) => ("operator".into(), "src/store/admin.rs cancel"),
-            Hold(_) => ("operator".into(), "src/store/admin.rs hold"),
-            ReleaseHold(_) => ("operator".into(), "src/store/admin.rs release_hold"),
-            RetryDead(_) => ("operator".into(), "src/store/admin.rs retry_dead"),
-            Prune => ("operator".into(), "src/store/admin.rs prune (retention)"),
+            Cancel(_) => ("operator".into(), "admin.rs cancel"),
+            Hold(_) => ("operator".into(), "admin.rs hold"),
+            ReleaseHold(_) => ("operator".into(), "admin.rs release_hold"),
+            RetryDead(_) => ("operator".into(), "admin.rs retry_dead"),
+            Prune => ("operator".into(), "admin.rs prune (retention)"),
         }
     }
 

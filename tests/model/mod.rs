@@ -100,13 +100,17 @@ pub fn explore_up_to(cfg: Config, threads: usize, max_states: usize) -> Explored
 /// The shortest counterexample of any property, breadth first (no symmetry reduction,
 /// so the trace names processes as they were).
 pub fn counterexample(cfg: Config, threads: usize) -> Explored {
+    search(cfg, threads, HasDiscoveries::AnyFailures)
+}
+
+/// The shortest counterexample of `property`, breadth first.
+pub fn counterexample_of(cfg: Config, property: &'static str, threads: usize) -> Explored {
+    search(cfg, threads, HasDiscoveries::AnyOf([property].into_iter().collect()))
+}
+
+fn search(cfg: Config, threads: usize, until: HasDiscoveries) -> Explored {
     let started = Instant::now();
-    let checker = Leasehold::new(cfg)
-        .checker()
-        .finish_when(HasDiscoveries::AnyFailures)
-        .threads(threads)
-        .spawn_bfs()
-        .join();
+    let checker = Leasehold::new(cfg).checker().finish_when(until).threads(threads).spawn_bfs().join();
     finish(checker, started)
 }
 
@@ -122,6 +126,12 @@ fn finish(checker: impl Checker<Leasehold>, started: Instant) -> Explored {
             for (st, next) in pairs {
                 steps.push((action.expect("a step between states"), st));
                 action = next;
+            }
+            // The checker keeps the last violating state it met (often a successor of the
+            // first): end the trace at the first step that breaks the property.
+            let holds = m.property(property).condition;
+            if let Some(at) = steps.iter().position(|(_, st)| !holds(m, st)) {
+                steps.truncate(at + 1);
             }
             let mut trace = trace::render(m, &first, &steps);
             if property == properties::CAN_END {

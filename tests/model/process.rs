@@ -44,11 +44,11 @@ impl State {
         })
     }
 
-    /// In the renewal registry. Hardened: from the claim on. Old: from the handler's
-    /// start (`attempt_once` inserted it), so parked and queued attempts were not.
+    /// In the renewal registry. Hardened: from the claim on. Old: from the start of
+    /// `attempt_once` (ready: its sequencer or task runs it now), so parked and queued
+    /// attempts were not.
     pub fn registered(&self, cfg: &Config, a: &Attempt) -> bool {
-        !cfg.defects.renewal_from_handler_start
-            || matches!(a.phase, Phase::Handler(_) | Phase::Ending(_) | Phase::Writing(_))
+        !cfg.defects.renewal_from_handler_start || !matches!(a.phase, Phase::Parked | Phase::Queued)
     }
 
     fn add_attempt(&mut self, p: ProcId, a: Attempt) {

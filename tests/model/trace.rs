@@ -10,35 +10,54 @@ use super::state::{Effect, Ending, JobState, Phase, Renewer, State, Up};
 /// The trace of `steps` taken from `first`.
 pub fn render(m: &Leasehold, first: &State, steps: &[(Action, State)]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "  0.        start                                                       | {}", summary(&m.cfg, first));
+    let _ = writeln!(out, "  0.        {:<66} | {}", "start", summary(&m.cfg, first));
     let mut t = 0;
+    let mut before = first;
     for (i, (action, after)) in steps.iter().enumerate() {
         if *action == Action::Tick {
             t += 1;
         }
-        let (who, what) = action.statement();
-        let _ = writeln!(out, "{:>3}. t={:<2} {:<8} {:<52} | {}", i + 1, t, who, short(what, action), summary(&m.cfg, after));
+        let (who, _) = action.statement();
+        let what = describe(&m.cfg, before, action);
+        let _ = writeln!(out, "{:>3}. t={:<2} {:<8} {:<57} | {}", i + 1, t, who, what, summary(&m.cfg, after));
+        before = after;
     }
     out
 }
 
-/// The statement, with the job and generation it acts on.
-fn short(what: &str, a: &Action) -> String {
+/// The statement, with the job and generation it acts on; for an ending, which
+/// statement it is (the attempt in `before` says).
+fn describe(cfg: &Config, before: &State, a: &Action) -> String {
     use Action::*;
-    let subject = match a {
-        Start(_, j, g, _) | Record(_, j, g) | End(_, j, g, _) | Resume(_, j, g, _) => {
-            format!("j{j}g{g} ")
+    let (_, what) = a.statement();
+    match a {
+        End(p, j, g, park) | Resume(p, j, g, park) => {
+            let phase = before.attempt(*p, *j, *g).map(|x| x.phase);
+            let ending = match phase {
+                Some(Phase::Ending(e)) | Some(Phase::Writing(e)) => e,
+                _ => Ending::Fail,
+            };
+            let sql = match (ending, cfg.key_of(*j)) {
+                (Ending::Fail, _) => "complete.rs FAIL",
+                (Ending::Complete { chain: true }, Some(_)) => "COMPLETE_MANY, PROMOTE chained",
+                (Ending::Complete { .. }, Some(_)) => "COMPLETE_MANY, PROMOTE",
+                (Ending::Complete { .. }, None) => "COMPLETE_UNKEYED",
+            };
+            let resumed = if matches!(a, Resume(..)) { "key row free: " } else { "" };
+            let parked = if *park { "; successor parked" } else { "" };
+            format!("j{j}g{g} {resumed}{sql}{parked}")
         }
-        ResumeReap(j) | Cancel(j) | Hold(j) | ReleaseHold(j) | RetryDead(j) => format!("j{j} "),
-        Deliver(i) => format!("#{i} "),
-        _ => String::new(),
-    };
-    let mut s = format!("{subject}{what}");
-    if s.len() > 52 {
-        s.truncate(51);
-        s.push('…');
+        Start(_, j, g, _) if cfg.defects.renewal_from_handler_start => {
+            format!("j{j}g{g} {}", what.replace("lease check", "no lease check"))
+        }
+        Start(_, j, g, _) | Record(_, j, g) => format!("j{j}g{g} {what}"),
+        ResumeReap(j) | Cancel(j) | Hold(j) | ReleaseHold(j) | RetryDead(j) => format!("j{j} {what}"),
+        Deliver(i) => {
+            let req = before.store.in_flight.get(*i as usize);
+            req.map_or(what.to_string(), |r| format!("{what} (j{} token {:?})", r.job, r.token))
+        }
+        _ => what.to_string(),
     }
-    s
 }
 
 fn key_name(k: u8) -> char {
