@@ -11,7 +11,7 @@
 //! `--cancels N --holds N --retries N --prunes N --operator N` (operator actions in all);
 //! `--quiet` (all budgets 0; give it before the budget flags); `--no-liveness`; `--store dedup|fenced`;
 //! `--defect NAME` (repeatable: renewal-waits, registry-from-start, cancel-promotes,
-//! prune-dead, no-deadline); `--threads N`; `--max-states N` (stop after about N
+//! prune-dead, prune-key-rows, no-deadline); `--threads N`; `--max-states N` (stop after about N
 //! states); `--shortest` (breadth first, stop at the first failure).
 //!
 //! Exit status 1 when a property fails, with its trace.
@@ -31,7 +31,9 @@ fn main() {
     let mut shortest = false;
     while let Some(flag) = args.next() {
         let mut value = || -> usize {
-            args.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| usage(&flag))
+            args.next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| usage(&flag))
         };
         match flag.as_str() {
             "--jobs" => jobs = value(),
@@ -48,7 +50,11 @@ fn main() {
     }
     let mut it = rest.into_iter();
     while let Some(flag) = it.next() {
-        let mut value = || -> u8 { it.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| usage(&flag)) };
+        let mut value = || -> u8 {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| usage(&flag))
+        };
         let b = &mut cfg.budget;
         match flag.as_str() {
             "--quiet" => cfg = cfg.quiet(),
@@ -79,6 +85,7 @@ fn main() {
                     Some("registry-from-start") => d.renewal_from_handler_start = true,
                     Some("cancel-promotes") => d.cancel_promotes_running_head = true,
                     Some("prune-dead") => d.prune_deletes_dead = true,
+                    Some("prune-key-rows") => d.prune_restarts_key_seq = true,
                     Some("no-deadline") => d.no_local_deadline = true,
                     _ => usage(&flag),
                 }
@@ -113,6 +120,8 @@ fn main() {
 }
 
 fn usage<T>(flag: &str) -> T {
-    eprintln!("model_check: bad or unknown flag {flag:?}; see the doc comment of examples/model_check.rs");
+    eprintln!(
+        "model_check: bad or unknown flag {flag:?}; see the doc comment of examples/model_check.rs"
+    );
     std::process::exit(2)
 }

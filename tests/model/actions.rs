@@ -55,7 +55,10 @@ impl Action {
         use Action::*;
         let p = |p: &ProcId| format!("p{p}");
         match self {
-            Tick => ("clock".into(), "tick: reap.rs REAP, local deadlines, lease.rs RENEW"),
+            Tick => (
+                "clock".into(),
+                "tick: reap.rs REAP, local deadlines, lease.rs RENEW",
+            ),
             HostEnqueue => ("host".into(), "BEGIN; enqueue.rs ENQUEUE (enqueue_in)"),
             HostCommit => ("host".into(), "COMMIT of the host transaction"),
             HostRollback => ("host".into(), "ROLLBACK of the host transaction"),
@@ -84,8 +87,16 @@ impl Action {
         use Action::*;
         matches!(
             self,
-            Crash(_) | Pause(_) | Start(.., true) | Cancel(_) | Hold(_)
-                | ReleaseHold(_) | RetryDead(_) | Prune | HostEnqueue | HostRollback
+            Crash(_)
+                | Pause(_)
+                | Start(.., true)
+                | Cancel(_)
+                | Hold(_)
+                | ReleaseHold(_)
+                | RetryDead(_)
+                | Prune
+                | HostEnqueue
+                | HostRollback
         )
     }
 }
@@ -100,7 +111,10 @@ pub struct Leasehold {
 impl Leasehold {
     pub fn new(cfg: Config) -> Self {
         cfg.validate().expect("a valid model configuration");
-        Leasehold { cfg, live: Default::default() }
+        Leasehold {
+            cfg,
+            live: Default::default(),
+        }
     }
 
     /// Every step enabled in `s`, in a fixed order.
@@ -137,7 +151,9 @@ impl Leasehold {
                             out.push(Action::Start(p, j, g, true));
                         }
                     }
-                    Phase::Handler(Effect::Answered) if !s.row_locked(j) => out.push(Action::Record(p, j, g)),
+                    Phase::Handler(Effect::Answered) if !s.row_locked(j) => {
+                        out.push(Action::Record(p, j, g))
+                    }
                     Phase::Handler(Effect::Refused) => out.push(Action::Record(p, j, g)),
                     // Its UPDATE waits while another transaction has the row.
                     Phase::Ending(e) if !s.row_locked(j) => {
@@ -157,7 +173,9 @@ impl Leasehold {
                 _ => {}
             }
             match proc.renewer {
-                Renewer::Ok if running && s.budget.allows(Spend::Pause) => out.push(Action::Pause(p)),
+                Renewer::Ok if running && s.budget.allows(Spend::Pause) => {
+                    out.push(Action::Pause(p))
+                }
                 Renewer::Paused if running => out.push(Action::Unpause(p)),
                 _ => {}
             }
@@ -178,7 +196,10 @@ impl Leasehold {
             }
             let cancellable = match r.state {
                 JobState::Running => !r.cancel_requested,
-                st => matches!(st, JobState::Pending | JobState::Waiting | JobState::Held | JobState::Dead),
+                st => matches!(
+                    st,
+                    JobState::Pending | JobState::Waiting | JobState::Held | JobState::Dead
+                ),
             };
             if s.budget.allows(Spend::Cancel) && cancellable {
                 out.push(Action::Cancel(j));
@@ -197,7 +218,11 @@ impl Leasehold {
             matches!(st, JobState::Done | JobState::Cancelled)
                 || (st == JobState::Dead && cfg.defects.prune_deletes_dead)
         };
-        if s.budget.allows(Spend::Prune) && s.rows.iter().any(|r| prunable(r.state)) {
+        let restarts = cfg.defects.prune_restarts_key_seq
+            && s.keys.iter().enumerate().any(|(k, kr)| {
+                kr.open_jobs == 0 && kr.next_seq > 0 && !s.key_locked(cfg, Some(k as u8))
+            });
+        if s.budget.allows(Spend::Prune) && (s.rows.iter().any(|r| prunable(r.state)) || restarts) {
             out.push(Action::Prune);
         }
     }

@@ -22,7 +22,11 @@ pub struct JobSpec {
 
 impl JobSpec {
     pub fn keyed(key: u8) -> Self {
-        JobSpec { key: Some(key), via_host: false, continue_on_dead: false }
+        JobSpec {
+            key: Some(key),
+            via_host: false,
+            continue_on_dead: false,
+        }
     }
 }
 
@@ -49,6 +53,9 @@ pub struct Defects {
     pub cancel_promotes_running_head: bool,
     /// Old retention: deletes dead rows too, which the key's open_jobs still counts.
     pub prune_deletes_dead: bool,
+    /// Old retention: deletes key rows with no open job, so the key's next enqueue
+    /// starts key_seq again from 1 (below tokens a fencing store has seen).
+    pub prune_restarts_key_seq: bool,
     /// No local deadline: a handler whose renewals stopped is never cancelled by its own
     /// process.
     pub no_local_deadline: bool,
@@ -116,7 +123,9 @@ impl Config {
         let mut cfg = Config::bounded();
         cfg.keys = keys.max(1);
         cfg.procs = procs;
-        cfg.jobs = (0..jobs).map(|j| JobSpec::keyed((j % cfg.keys as usize) as u8)).collect();
+        cfg.jobs = (0..jobs)
+            .map(|j| JobSpec::keyed((j % cfg.keys as usize) as u8))
+            .collect();
         if let Some(last) = cfg.jobs.last_mut() {
             last.via_host = true;
         }
@@ -152,10 +161,17 @@ impl Config {
         if self.jobs.iter().filter(|j| j.via_host).count() > 1 {
             return Err("at most one job enqueued by the host transaction".into());
         }
-        if self.jobs.iter().any(|j| j.key.is_some_and(|k| k >= self.keys)) {
+        if self
+            .jobs
+            .iter()
+            .any(|j| j.key.is_some_and(|k| k >= self.keys))
+        {
             return Err("a job's key is out of range".into());
         }
-        if self.host_job().is_some_and(|j| self.jobs[j as usize].key.is_none()) {
+        if self
+            .host_job()
+            .is_some_and(|j| self.jobs[j as usize].key.is_none())
+        {
             return Err("the host transaction's job must be keyed (it holds its key row)".into());
         }
         if self.lease <= self.margin || self.margin < 1 || self.lease > 6 {
@@ -169,7 +185,10 @@ impl Config {
     }
 
     pub fn host_job(&self) -> Option<JobId> {
-        self.jobs.iter().position(|j| j.via_host).map(|j| j as JobId)
+        self.jobs
+            .iter()
+            .position(|j| j.via_host)
+            .map(|j| j as JobId)
     }
 
     /// The key row the open host transaction holds.

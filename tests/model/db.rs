@@ -34,7 +34,9 @@ impl State {
         self.reaping.iter().any(|(j, _)| *j == job)
             || self.procs.iter().any(|p| {
                 p.up != Up::Crashed
-                    && p.attempts.iter().any(|a| a.job == job && matches!(a.phase, Phase::Writing(_)))
+                    && p.attempts
+                        .iter()
+                        .any(|a| a.job == job && matches!(a.phase, Phase::Writing(_)))
             })
     }
 
@@ -88,26 +90,37 @@ impl State {
     /// pending, or, chained, running for `chain` with a fresh lease.
     pub fn promote(&mut self, cfg: &Config, key: u8, chain: Option<ProcId>) -> Option<(JobId, u8)> {
         let next = (0..self.rows.len() as JobId)
-            .filter(|&j| cfg.key_of(j) == Some(key) && self.rows[j as usize].state == JobState::Waiting)
+            .filter(|&j| {
+                cfg.key_of(j) == Some(key) && self.rows[j as usize].state == JobState::Waiting
+            })
             .min_by_key(|&j| self.rows[j as usize].key_seq)?;
         let r = &mut self.rows[next as usize];
         r.due_in = 0; // greatest(available_at, now())
         r.set(JobState::Pending);
-        match chain {
-            Some(p) => Some((next, self.claim_row(cfg, next, p))),
-            None => None,
-        }
+        chain.map(|p| (next, self.claim_row(cfg, next, p)))
     }
 
     /// `Store::end_heads_chained`: LEAVE_KEYS then PROMOTE, in the ending's transaction.
-    pub fn end_head(&mut self, cfg: &Config, key: u8, chain: Option<ProcId>) -> Option<(JobId, u8)> {
+    pub fn end_head(
+        &mut self,
+        cfg: &Config,
+        key: u8,
+        chain: Option<ProcId>,
+    ) -> Option<(JobId, u8)> {
         self.leave_key(key);
         self.promote(cfg, key, chain)
     }
 
     /// src/store/complete.rs COMPLETE_MANY (keyed; its `k` step locks the key row, then
     /// PROMOTE with a fresh snapshot) or COMPLETE_UNKEYED (never touches a key row).
-    pub fn complete(&mut self, cfg: &Config, job: JobId, p: ProcId, gen: u8, chain: bool) -> Written {
+    pub fn complete(
+        &mut self,
+        cfg: &Config,
+        job: JobId,
+        p: ProcId,
+        gen: u8,
+        chain: bool,
+    ) -> Written {
         if !self.fence_ok(job, p, gen) {
             return Written::Stale;
         }
@@ -119,7 +132,14 @@ impl State {
     }
 
     /// The rest of COMPLETE_MANY once its key row is free.
-    pub fn commit_complete(&mut self, cfg: &Config, job: JobId, p: ProcId, gen: u8, chain: bool) -> Written {
+    pub fn commit_complete(
+        &mut self,
+        cfg: &Config,
+        job: JobId,
+        p: ProcId,
+        gen: u8,
+        chain: bool,
+    ) -> Written {
         self.accept(job, p, gen);
         self.rows[job as usize].set(JobState::Done);
         let next = match cfg.key_of(job) {
@@ -136,7 +156,10 @@ impl State {
         if r.cancel_requested {
             (JobState::Cancelled, keyed)
         } else if r.attempts >= cfg.max_attempts {
-            (JobState::Dead, keyed && cfg.jobs[job as usize].continue_on_dead)
+            (
+                JobState::Dead,
+                keyed && cfg.jobs[job as usize].continue_on_dead,
+            )
         } else {
             (JobState::Pending, false)
         }
@@ -171,7 +194,11 @@ impl State {
             r.due_in = 1;
         }
         if ends_head {
-            self.end_head(cfg, cfg.key_of(job).expect("only keyed jobs end a head"), None);
+            self.end_head(
+                cfg,
+                cfg.key_of(job).expect("only keyed jobs end a head"),
+                None,
+            );
         }
     }
 
@@ -179,7 +206,8 @@ impl State {
     /// LOCKED); the expiry is recorded; pending with backoff, dead, or cancelled.
     pub fn reap(&mut self, cfg: &Config, job: JobId) {
         let owner = self.rows[job as usize].owner;
-        let healthy = self.procs[owner as usize].up != Up::Crashed && self.ghost.faulted & (1 << owner) == 0;
+        let healthy =
+            self.procs[owner as usize].up != Up::Crashed && self.ghost.faulted & (1 << owner) == 0;
         if healthy {
             self.ghost.broken |= broken::HEALTHY_LEASE_LOST;
         }
@@ -194,7 +222,11 @@ impl State {
 
     /// The reap's `end_heads` once the key row is free; then it commits.
     pub fn commit_reap(&mut self, cfg: &Config, job: JobId) {
-        let at = self.reaping.iter().position(|(j, _)| *j == job).expect("a blocked reap");
+        let at = self
+            .reaping
+            .iter()
+            .position(|(j, _)| *j == job)
+            .expect("a blocked reap");
         let (_, to) = self.reaping.remove(at);
         self.set_ended(cfg, job, to, true);
     }
@@ -270,14 +302,24 @@ impl State {
 
     /// src/store/admin.rs prune: done and cancelled rows (and their ledger rows) go;
     /// dead rows stay (the old retention deleted them too). Key rows are kept, so
-    /// key_seq never restarts.
+    /// key_seq never restarts (the old retention deleted those with no open job).
     pub fn prune(&mut self, cfg: &Config) {
+        if cfg.defects.prune_restarts_key_seq {
+            for k in 0..cfg.keys {
+                if self.keys[k as usize].open_jobs == 0 && !self.key_locked(cfg, Some(k)) {
+                    self.keys[k as usize].next_seq = 0;
+                }
+            }
+        }
         for j in 0..self.rows.len() {
             let st = self.rows[j].state;
             let gone = matches!(st, JobState::Done | JobState::Cancelled)
                 || (st == JobState::Dead && cfg.defects.prune_deletes_dead);
             if gone {
-                self.rows[j] = Row { state: JobState::Pruned, ..Row::UNBORN };
+                self.rows[j] = Row {
+                    state: JobState::Pruned,
+                    ..Row::UNBORN
+                };
                 self.ledger &= !(1 << j);
             }
         }

@@ -90,7 +90,10 @@ pub fn explore(cfg: Config, threads: usize) -> Explored {
 /// [`explore`], stopping after about `max_states` generated states (0: no limit).
 pub fn explore_up_to(cfg: Config, threads: usize, max_states: usize) -> Explored {
     let started = Instant::now();
-    let mut builder = Leasehold::new(cfg).checker().symmetry_fn(state::State::representative).threads(threads);
+    let mut builder = Leasehold::new(cfg)
+        .checker()
+        .symmetry_fn(state::State::representative)
+        .threads(threads);
     if max_states > 0 {
         builder = builder.target_state_count(max_states);
     }
@@ -103,14 +106,23 @@ pub fn counterexample(cfg: Config, threads: usize) -> Explored {
     search(cfg, threads, HasDiscoveries::AnyFailures)
 }
 
-/// The shortest counterexample of `property`, breadth first.
-pub fn counterexample_of(cfg: Config, property: &'static str, threads: usize) -> Explored {
-    search(cfg, threads, HasDiscoveries::AnyOf([property].into_iter().collect()))
+/// Short counterexamples of every one of `properties`, breadth first.
+pub fn counterexamples_of(cfg: Config, properties: &[&'static str], threads: usize) -> Explored {
+    search(
+        cfg,
+        threads,
+        HasDiscoveries::AllOf(properties.iter().copied().collect()),
+    )
 }
 
 fn search(cfg: Config, threads: usize, until: HasDiscoveries) -> Explored {
     let started = Instant::now();
-    let checker = Leasehold::new(cfg).checker().finish_when(until).threads(threads).spawn_bfs().join();
+    let checker = Leasehold::new(cfg)
+        .checker()
+        .finish_when(until)
+        .threads(threads)
+        .spawn_bfs()
+        .join();
     finish(checker, started)
 }
 
@@ -137,11 +149,21 @@ fn finish(checker: impl Checker<Leasehold>, started: Instant) -> Explored {
             if property == properties::CAN_END {
                 let last = steps.last().map_or(&first, |(_, s)| s).clone();
                 if let Err(rest) = properties::drain(m, &last) {
-                    trace.push_str("  then the crash-free schedule gets stuck:\n");
-                    trace.push_str(&trace::render(m, &last, &rest));
+                    if rest.is_empty() {
+                        trace.push_str(
+                            "  then no step but a fault or an operator action can move it\n",
+                        );
+                    } else {
+                        trace.push_str("  then the crash-free schedule gets stuck:\n");
+                        trace.push_str(&trace::render(m, &last, &rest));
+                    }
                 }
             }
-            Found { property, steps: steps.len(), trace }
+            Found {
+                property,
+                steps: steps.len(),
+                trace,
+            }
         })
         .collect();
     failures.sort_by_key(|f| (f.steps, f.property));

@@ -9,10 +9,10 @@
 //! no slot and is parked: that step may park it even though a slot looks free. The
 //! finishing backpressure (`finishing_max`) is not modelled: it only delays claims.
 
+use super::config::EffectStore;
 use super::config::{Config, JobId, ProcId};
 use super::db::Written;
 use super::state::{broken, Attempt, Effect, Ending, Phase, Renewer, Request, Spend, State, Up};
-use super::config::EffectStore;
 
 impl Config {
     /// A fresh local deadline: sent + lease - margin (0 and never lowered without one).
@@ -31,7 +31,11 @@ fn holds_slot(phase: Phase) -> bool {
 
 impl State {
     pub fn free_slots(&self, cfg: &Config, p: ProcId) -> u8 {
-        let held = self.procs[p as usize].attempts.iter().filter(|a| holds_slot(a.phase)).count() as u8;
+        let held = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| holds_slot(a.phase))
+            .count() as u8;
         cfg.slots.saturating_sub(held)
     }
 
@@ -40,7 +44,10 @@ impl State {
     fn sequencer_busy(&self, cfg: &Config, p: ProcId, key: u8) -> bool {
         self.procs[p as usize].attempts.iter().any(|a| {
             cfg.key_of(a.job) == Some(key)
-                && matches!(a.phase, Phase::Ready | Phase::Handler(_) | Phase::Ending(_) | Phase::Writing(_))
+                && matches!(
+                    a.phase,
+                    Phase::Ready | Phase::Handler(_) | Phase::Ending(_) | Phase::Writing(_)
+                )
         })
     }
 
@@ -58,7 +65,9 @@ impl State {
     }
 
     fn remove_attempt(&mut self, p: ProcId, job: JobId, gen: u8) {
-        self.procs[p as usize].attempts.retain(|a| !(a.job == job && a.gen == gen));
+        self.procs[p as usize]
+            .attempts
+            .retain(|a| !(a.job == job && a.gen == gen));
     }
 
     fn set_phase(&mut self, p: ProcId, job: JobId, gen: u8, phase: Phase) {
@@ -69,13 +78,21 @@ impl State {
     /// `Claimer::dispatch`: an unkeyed job runs; a keyed one goes to its sequencer,
     /// which runs it, or queues it behind the attempt it runs.
     fn dispatch(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8) {
-        let queued = cfg.key_of(job).is_some_and(|k| self.sequencer_busy(cfg, p, k));
+        let queued = cfg
+            .key_of(job)
+            .is_some_and(|k| self.sequencer_busy(cfg, p, k));
         let phase = if queued { Phase::Queued } else { Phase::Ready };
         match self.attempt_mut(p, job, gen) {
             Some(a) => a.phase = phase,
             None => self.add_attempt(
                 p,
-                Attempt { job, gen, phase, deadline: cfg.deadline_from(0), cancelled: false },
+                Attempt {
+                    job,
+                    gen,
+                    phase,
+                    deadline: cfg.deadline_from(0),
+                    cancelled: false,
+                },
             ),
         }
         self.procs[p as usize].attempts.sort();
@@ -100,8 +117,12 @@ impl State {
     /// `Claimer::claim_after`: serve parked successors the free slots first
     /// (`serve_parked`), then CLAIM into the rest and dispatch what it returns.
     pub fn claim_step(&mut self, cfg: &Config, p: ProcId) {
-        let parked: Vec<Attempt> =
-            self.procs[p as usize].attempts.iter().filter(|a| a.phase == Phase::Parked).copied().collect();
+        let parked: Vec<Attempt> = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| a.phase == Phase::Parked)
+            .copied()
+            .collect();
         for a in parked {
             if self.free_slots(cfg, p) == 0 {
                 break;
@@ -117,9 +138,14 @@ impl State {
     /// Whether a claim step would find work: a parked successor, or a due pending row.
     pub fn claim_finds_work(&self, cfg: &Config, p: ProcId) -> bool {
         self.free_slots(cfg, p) > 0
-            && (self.procs[p as usize].attempts.iter().any(|a| a.phase == Phase::Parked)
+            && (self.procs[p as usize]
+                .attempts
+                .iter()
+                .any(|a| a.phase == Phase::Parked)
                 || self.rows.iter().enumerate().any(|(j, r)| {
-                    r.state == super::state::JobState::Pending && r.due_in == 0 && !self.row_locked(j as JobId)
+                    r.state == super::state::JobState::Pending
+                        && r.due_in == 0
+                        && !self.row_locked(j as JobId)
                 }))
     }
 
@@ -159,7 +185,9 @@ impl State {
     fn handler_of_key_runs(&self, cfg: &Config, key: Option<u8>) -> bool {
         key.is_some()
             && self.procs.iter().filter(|q| q.up != Up::Crashed).any(|q| {
-                q.attempts.iter().any(|a| matches!(a.phase, Phase::Handler(_)) && cfg.key_of(a.job) == key)
+                q.attempts
+                    .iter()
+                    .any(|a| matches!(a.phase, Phase::Handler(_)) && cfg.key_of(a.job) == key)
             })
     }
 
@@ -167,7 +195,9 @@ impl State {
     fn handler_returns(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, ok: bool) {
         let ending = if ok {
             let spare = self.free_slots(cfg, p) > 0;
-            Ending::Complete { chain: spare && cfg.key_of(job).is_some() }
+            Ending::Complete {
+                chain: spare && cfg.key_of(job).is_some(),
+            }
         } else {
             Ending::Fail
         };
@@ -185,13 +215,21 @@ impl State {
             self.handler_returns(cfg, p, job, gen, false);
         } else {
             let token = (self.rows[job as usize].key_seq, gen);
-            self.store.in_flight.push(Request { job, token, from: p });
+            self.store.in_flight.push(Request {
+                job,
+                token,
+                from: p,
+            });
             self.store.in_flight.sort();
             self.set_phase(p, job, gen, Phase::Handler(Effect::Awaiting));
             if cfg.store == EffectStore::Dedup {
                 // Whenever a request reaches a deduplicating store, it applies the key
                 // once: its delay changes nothing any property sees, so it arrives now.
-                let at = self.store.in_flight.iter().position(|r| r.job == job && r.token.1 == gen);
+                let at = self
+                    .store
+                    .in_flight
+                    .iter()
+                    .position(|r| r.job == job && r.token.1 == gen);
                 self.deliver(cfg, at.expect("just sent"));
             }
         }
@@ -225,7 +263,11 @@ impl State {
         }
         if let Some(a) = self.attempt_mut(req.from, req.job, req.token.1) {
             if a.phase == Phase::Handler(Effect::Awaiting) {
-                a.phase = Phase::Handler(if ok { Effect::Answered } else { Effect::Refused });
+                a.phase = Phase::Handler(if ok {
+                    Effect::Answered
+                } else {
+                    Effect::Refused
+                });
             }
         }
     }
@@ -266,15 +308,34 @@ impl State {
     /// `Sequencer::after`: a successor claimed by the completion runs if a slot is free,
     /// or is parked; then the key's queued attempts.
     #[allow(clippy::too_many_arguments)]
-    fn after_write(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, ending: Ending, w: Written, park: bool) {
+    fn after_write(
+        &mut self,
+        cfg: &Config,
+        p: ProcId,
+        job: JobId,
+        gen: u8,
+        ending: Ending,
+        w: Written,
+        park: bool,
+    ) {
         match w {
             Written::Waiting => self.set_phase(p, job, gen, Phase::Writing(ending)),
             Written::Stale => self.remove_attempt(p, job, gen),
             Written::Committed(next) => {
                 self.remove_attempt(p, job, gen);
                 if let Some((sj, sg)) = next {
-                    let phase = if !park && self.free_slots(cfg, p) > 0 { Phase::Ready } else { Phase::Parked };
-                    let fresh = Attempt { job: sj, gen: sg, phase, deadline: cfg.deadline_from(0), cancelled: false };
+                    let phase = if !park && self.free_slots(cfg, p) > 0 {
+                        Phase::Ready
+                    } else {
+                        Phase::Parked
+                    };
+                    let fresh = Attempt {
+                        job: sj,
+                        gen: sg,
+                        phase,
+                        deadline: cfg.deadline_from(0),
+                        cancelled: false,
+                    };
                     self.add_attempt(p, fresh);
                 }
             }
@@ -288,7 +349,8 @@ impl State {
     pub fn tick(&mut self, cfg: &Config) {
         for j in 0..self.rows.len() as JobId {
             let r = self.rows[j as usize];
-            if r.state == super::state::JobState::Running && r.lease_left < 0 && !self.row_locked(j) {
+            if r.state == super::state::JobState::Running && r.lease_left < 0 && !self.row_locked(j)
+            {
                 self.reap(cfg, j);
             }
         }
@@ -333,8 +395,12 @@ impl State {
     /// another transaction are skipped (FOR UPDATE SKIP LOCKED) and count as busy, not
     /// lost. Old: a plain UPDATE that waits for the lock.
     fn renew(&mut self, cfg: &Config, p: ProcId) {
-        let mine: Vec<Attempt> =
-            self.procs[p as usize].attempts.iter().filter(|a| self.registered(cfg, a)).copied().collect();
+        let mine: Vec<Attempt> = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| self.registered(cfg, a))
+            .copied()
+            .collect();
         if mine.is_empty() {
             return;
         }
@@ -369,9 +435,15 @@ impl State {
 
     /// The old RENEW got its lock and commits, with `now()` of its start.
     pub fn renew_resume(&mut self, cfg: &Config, p: ProcId) {
-        let Renewer::Blocked { sent } = self.procs[p as usize].renewer else { unreachable!() };
-        let mine: Vec<Attempt> =
-            self.procs[p as usize].attempts.iter().filter(|a| self.registered(cfg, a)).copied().collect();
+        let Renewer::Blocked { sent } = self.procs[p as usize].renewer else {
+            unreachable!()
+        };
+        let mine: Vec<Attempt> = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| self.registered(cfg, a))
+            .copied()
+            .collect();
         self.procs[p as usize].renewer = Renewer::Ok;
         self.renewed(cfg, p, &mine, sent);
     }
@@ -379,7 +451,10 @@ impl State {
     pub fn renewal_can_resume(&self, cfg: &Config, p: ProcId) -> bool {
         let proc = &self.procs[p as usize];
         matches!(proc.renewer, Renewer::Blocked { .. })
-            && !proc.attempts.iter().any(|a| self.registered(cfg, a) && self.row_locked(a.job))
+            && !proc
+                .attempts
+                .iter()
+                .any(|a| self.registered(cfg, a) && self.row_locked(a.job))
     }
 
     /// The process dies: its memory and its connections (an open ending transaction

@@ -47,20 +47,36 @@ pub fn all(cfg: &Config) -> Vec<Property<Leasehold>> {
             intact(s, broken::OVERLAP) && no_overlap(&m.cfg, s)
         }),
         Property::always(START_ORDER, |_, s: &State| intact(s, broken::START_ORDER)),
-        Property::always(START_UNDER_LEASE, |_, s: &State| intact(s, broken::START_WITHOUT_LEASE)),
-        Property::always(NO_STALE_WRITE, |_, s: &State| intact(s, broken::STALE_WRITE)),
-        Property::always(NO_LOST_JOB, |m: &Leasehold, s: &State| no_lost_job(&m.cfg, s)),
-        Property::always(NO_STRANDED_KEY, |m: &Leasehold, s: &State| no_stranded_key(&m.cfg, s)),
-        Property::always(HEALTHY_KEEPS_LEASES, |_, s: &State| intact(s, broken::HEALTHY_LEASE_LOST)),
+        Property::always(START_UNDER_LEASE, |_, s: &State| {
+            intact(s, broken::START_WITHOUT_LEASE)
+        }),
+        Property::always(NO_STALE_WRITE, |_, s: &State| {
+            intact(s, broken::STALE_WRITE)
+        }),
+        Property::always(NO_LOST_JOB, |m: &Leasehold, s: &State| {
+            no_lost_job(&m.cfg, s)
+        }),
+        Property::always(NO_STRANDED_KEY, |m: &Leasehold, s: &State| {
+            no_stranded_key(&m.cfg, s)
+        }),
+        Property::always(HEALTHY_KEEPS_LEASES, |_, s: &State| {
+            intact(s, broken::HEALTHY_LEASE_LOST)
+        }),
     ];
     if cfg.store == EffectStore::Dedup || cfg.fenced_store_claims_once {
-        v.push(Property::always(EFFECT_ONCE, |_, s: &State| s.store.applied.iter().all(|n| *n <= 1)));
+        v.push(Property::always(EFFECT_ONCE, |_, s: &State| {
+            s.store.applied.iter().all(|n| *n <= 1)
+        }));
     }
     if cfg.store == EffectStore::Fenced {
-        v.push(Property::always(CURRENT_NOT_FENCED, |_, s: &State| intact(s, broken::CURRENT_REFUSED)));
+        v.push(Property::always(CURRENT_NOT_FENCED, |_, s: &State| {
+            intact(s, broken::CURRENT_REFUSED)
+        }));
     }
     if cfg.liveness {
-        v.push(Property::always(CAN_END, |m: &Leasehold, s: &State| m.live.proved(m, s)));
+        v.push(Property::always(CAN_END, |m: &Leasehold, s: &State| {
+            m.live.proved(m, s)
+        }));
     }
     v
 }
@@ -98,7 +114,9 @@ fn no_lost_job(cfg: &Config, s: &State) -> bool {
             return true;
         }
         (0..s.rows.len()).any(|i| {
-            cfg.jobs[i].key == cfg.jobs[j].key && s.rows[i].key_seq < r.key_seq && holds_key(cfg, s, i)
+            cfg.jobs[i].key == cfg.jobs[j].key
+                && s.rows[i].key_seq < r.key_seq
+                && holds_key(cfg, s, i)
         })
     })
 }
@@ -108,7 +126,9 @@ fn no_stranded_key(cfg: &Config, s: &State) -> bool {
     (0..cfg.keys).all(|k| {
         s.keys[k as usize].open_jobs == 0
             || (0..s.rows.len()).any(|j| {
-                cfg.jobs[j].key == Some(k) && s.rows[j].state != JobState::Waiting && holds_key(cfg, s, j)
+                cfg.jobs[j].key == Some(k)
+                    && s.rows[j].state != JobState::Waiting
+                    && holds_key(cfg, s, j)
             })
     })
 }

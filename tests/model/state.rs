@@ -14,7 +14,7 @@
 //! situation reached in two orders is one state. Processes are interchangeable:
 //! [`State::representative`] renames them to the least ordering (symmetry reduction).
 
-use super::config::{Config, ProcId, JobId, NONE};
+use super::config::{Config, JobId, ProcId, NONE};
 
 /// A job row's `state`, plus the two states a row has outside the table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,7 +35,10 @@ pub enum JobState {
 
 impl JobState {
     pub fn is_terminal(self) -> bool {
-        matches!(self, JobState::Done | JobState::Dead | JobState::Cancelled | JobState::Pruned)
+        matches!(
+            self,
+            JobState::Done | JobState::Dead | JobState::Cancelled | JobState::Pruned
+        )
     }
 }
 
@@ -102,7 +105,9 @@ pub enum Renewer {
     /// covers a frozen process and a hung renewer.
     Paused,
     /// The old RENEW waits on a row lock; `sent` is when it was sent (relative, ticks).
-    Blocked { sent: i8 },
+    Blocked {
+        sent: i8,
+    },
 }
 
 /// Where an attempt is in the process.
@@ -286,7 +291,13 @@ pub struct State {
 
 impl State {
     pub fn initial(cfg: &Config) -> State {
-        let mut keys = vec![KeyRow { next_seq: 0, open_jobs: 0 }; cfg.keys as usize];
+        let mut keys = vec![
+            KeyRow {
+                next_seq: 0,
+                open_jobs: 0
+            };
+            cfg.keys as usize
+        ];
         let mut rows = vec![Row::UNBORN; cfg.jobs.len()];
         for (j, spec) in cfg.jobs.iter().enumerate() {
             if spec.via_host {
@@ -299,9 +310,17 @@ impl State {
             keys,
             ledger: 0,
             reaping: Vec::new(),
-            host: if cfg.host_job().is_some() { Host::NotYet } else { Host::Over },
+            host: if cfg.host_job().is_some() {
+                Host::NotYet
+            } else {
+                Host::Over
+            },
             procs: vec![
-                Proc { up: Up::Running, renewer: Renewer::Ok, attempts: Vec::new() };
+                Proc {
+                    up: Up::Running,
+                    renewer: Renewer::Ok,
+                    attempts: Vec::new()
+                };
                 cfg.procs as usize
             ],
             store: Store {
@@ -310,16 +329,26 @@ impl State {
                 in_flight: Vec::new(),
             },
             budget: cfg.budget,
-            ghost: Ghost { started_seq: vec![0; cfg.keys as usize], faulted: 0, broken: 0 },
+            ghost: Ghost {
+                started_seq: vec![0; cfg.keys as usize],
+                faulted: 0,
+                broken: 0,
+            },
         }
     }
 
     pub fn attempt(&self, p: ProcId, job: JobId, gen: u8) -> Option<&Attempt> {
-        self.procs[p as usize].attempts.iter().find(|a| a.job == job && a.gen == gen)
+        self.procs[p as usize]
+            .attempts
+            .iter()
+            .find(|a| a.job == job && a.gen == gen)
     }
 
     pub fn attempt_mut(&mut self, p: ProcId, job: JobId, gen: u8) -> Option<&mut Attempt> {
-        self.procs[p as usize].attempts.iter_mut().find(|a| a.job == job && a.gen == gen)
+        self.procs[p as usize]
+            .attempts
+            .iter_mut()
+            .find(|a| a.job == job && a.gen == gen)
     }
 
     /// Forget what no later step can read, so equal futures are one state: a lease
@@ -367,9 +396,9 @@ impl State {
         }
         s.store.in_flight.sort();
         let mut faulted = 0;
-        for i in 0..self.procs.len() {
+        for (i, to) in perm.iter().enumerate() {
             if self.ghost.faulted & (1 << i) != 0 {
-                faulted |= 1 << perm[i];
+                faulted |= 1 << to;
             }
         }
         s.ghost.faulted = faulted;
@@ -394,7 +423,10 @@ impl State {
 /// A job enqueued in its own committed transaction (the ENQUEUE statement): the key's
 /// next sequence number, and the head only if the key had no open job.
 pub fn enqueued(keys: &mut [KeyRow], key: Option<u8>) -> Row {
-    let mut row = Row { state: JobState::Pending, ..Row::UNBORN };
+    let mut row = Row {
+        state: JobState::Pending,
+        ..Row::UNBORN
+    };
     if let Some(k) = key {
         let kr = &mut keys[k as usize];
         kr.next_seq += 1;

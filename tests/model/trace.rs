@@ -10,7 +10,12 @@ use super::state::{Effect, Ending, JobState, Phase, Renewer, State, Up};
 /// The trace of `steps` taken from `first`.
 pub fn render(m: &Leasehold, first: &State, steps: &[(Action, State)]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "  0.        {:<66} | {}", "start", summary(&m.cfg, first));
+    let _ = writeln!(
+        out,
+        "  0.        {:<66} | {}",
+        "start",
+        summary(&m.cfg, first)
+    );
     let mut t = 0;
     let mut before = first;
     for (i, (action, after)) in steps.iter().enumerate() {
@@ -19,7 +24,15 @@ pub fn render(m: &Leasehold, first: &State, steps: &[(Action, State)]) -> String
         }
         let (who, _) = action.statement();
         let what = describe(&m.cfg, before, action);
-        let _ = writeln!(out, "{:>3}. t={:<2} {:<8} {:<57} | {}", i + 1, t, who, what, summary(&m.cfg, after));
+        let _ = writeln!(
+            out,
+            "{:>3}. t={:<2} {:<8} {:<57} | {}",
+            i + 1,
+            t,
+            who,
+            what,
+            summary(&m.cfg, after)
+        );
         before = after;
     }
     out
@@ -43,7 +56,11 @@ fn describe(cfg: &Config, before: &State, a: &Action) -> String {
                 (Ending::Complete { .. }, Some(_)) => "COMPLETE_MANY, PROMOTE",
                 (Ending::Complete { .. }, None) => "COMPLETE_UNKEYED",
             };
-            let resumed = if matches!(a, Resume(..)) { "key row free: " } else { "" };
+            let resumed = if matches!(a, Resume(..)) {
+                "key row free: "
+            } else {
+                ""
+            };
             let parked = if *park { "; successor parked" } else { "" };
             format!("j{j}g{g} {resumed}{sql}{parked}")
         }
@@ -51,10 +68,14 @@ fn describe(cfg: &Config, before: &State, a: &Action) -> String {
             format!("j{j}g{g} {}", what.replace("lease check", "no lease check"))
         }
         Start(_, j, g, _) | Record(_, j, g) => format!("j{j}g{g} {what}"),
-        ResumeReap(j) | Cancel(j) | Hold(j) | ReleaseHold(j) | RetryDead(j) => format!("j{j} {what}"),
+        ResumeReap(j) | Cancel(j) | Hold(j) | ReleaseHold(j) | RetryDead(j) => {
+            format!("j{j} {what}")
+        }
         Deliver(i) => {
             let req = before.store.in_flight.get(*i as usize);
-            req.map_or(what.to_string(), |r| format!("{what} (j{} token {:?})", r.job, r.token))
+            req.map_or(what.to_string(), |r| {
+                format!("{what} (j{} token {:?})", r.job, r.token)
+            })
         }
         _ => what.to_string(),
     }
@@ -85,7 +106,11 @@ pub fn summary(cfg: &Config, s: &State) -> String {
         };
         let _ = write!(out, "j{j} {key} {st}");
         if r.state == JobState::Running {
-            let _ = write!(out, " p{} g{} lease{:+}", r.owner, r.generation, r.lease_left);
+            let _ = write!(
+                out,
+                " p{} g{} lease{:+}",
+                r.owner, r.generation, r.lease_left
+            );
             if r.cancel_requested {
                 out.push_str(" cancel_requested");
             }
@@ -95,7 +120,11 @@ pub fn summary(cfg: &Config, s: &State) -> String {
         out.push_str("; ");
     }
     for (k, kr) in s.keys.iter().enumerate() {
-        let lock = if s.key_locked(cfg, Some(k as u8)) { " locked" } else { "" };
+        let lock = if s.key_locked(cfg, Some(k as u8)) {
+            " locked"
+        } else {
+            ""
+        };
         let _ = write!(out, "{} open={}{lock}; ", key_name(k as u8), kr.open_jobs);
     }
     for (p, proc) in s.procs.iter().enumerate() {
