@@ -101,7 +101,7 @@ fn main() {
     let out = if shortest {
         model::counterexample(cfg, threads)
     } else {
-        model::explore_up_to(cfg, threads, max_states)
+        model::explore_up_to(cfg, threads, max_states, true)
     };
     println!(
         "explored {} states ({} unique), depth {}, in {:.1?} ({:.0} states/s)",

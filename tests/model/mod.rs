@@ -1,53 +1,68 @@
 //! A model of leasehold's protocol and runtime, for the stateright model checker.
-#![allow(dead_code)]
 //!
 //! # What is modelled
 //! The database rows: each job's state, owner, generation, attempts, lease_until,
 //! available_at, key_seq and cancel_requested; each key's next_seq and open_jobs; the
-//! effect ledger; the row locks that a transaction holds across steps. A clock. Two (up
-//! to four) scheduler processes, each with its slots, claimer (claim statement, parked
-//! successors), per-key sequencers (queued attempts), executor (handler start, one
-//! effect through `JobContext::once`, ending), completer (one keyed completion per
-//! transaction, chained successor claims), lease renewer (renewal registry, local
-//! deadlines), and a reaper. A host transaction that enqueues a job with `enqueue_in`
-//! and holds its key row until it commits or rolls back. The operator's cancel, hold,
-//! release, retry_dead and prune. Crashes, pauses, and hung renewal connections. An
-//! external effect store that deduplicates by effect key, or one that fences by a
-//! per-key token (key_seq, generation).
+//! effect ledger; the row locks a transaction holds across steps. A clock. Two (up to
+//! four) scheduler processes, each with its slots, claimer (claim statement, parked
+//! successors), per-key sequencers (attempts queued behind the key's running one),
+//! executor (lease check, handler with one effect through `JobContext::once`, ending),
+//! completer (keyed completions that wait for key rows, chained successor claims),
+//! lease renewer (renewal registry, local deadlines), and the reaper. A host
+//! transaction that enqueues a job with `enqueue_in` and holds its key row until it
+//! commits or rolls back. The operator's cancel, hold, release, retry_dead and prune.
+//! Crashes and pauses of a process. An external effect store that deduplicates by
+//! effect key, or one that fences by a per-key token (key_seq, generation).
 //!
-//! Each step is one transaction of the real code (or one statement where the
-//! transaction can wait between two), named after it, with the file and statement it
-//! models: [`actions::Action::statement`].
+//! Each step is one transaction of the real code (or one statement, where the
+//! transaction can wait between two) or one in-memory step of a process, named after
+//! the code it models: [`actions::Action::statement`] (file and statement).
 //!
 //! # What is abstracted, and why
-//! - Time is relative ([`state`]): deadlines are "ticks left", clamped, so the clock
-//!   runs forever in a finite space. Lease 2 ticks, margin 1; backoff 1 tick.
-//! - The renewer runs every tick, inside the tick (a working renewer is never late:
-//!   the timing assumption under which a healthy process keeps its leases). A renewal's
-//!   send, update and reply are one step; a renewal that hangs is the hang fault.
-//! - Reaps and completions take one row per transaction (the real ones batch); a batch
-//!   only adds rows to the same waits. One claim statement in flight per process.
+//! Each of these keeps the state space small enough to be exhausted in `cargo test`
+//! (about 1.3 million states for 3 jobs, 2 keys, 2 processes) without removing an
+//! interleaving that a property depends on:
+//! - Time is relative ([`state`]): deadlines are "ticks left", clamped where smaller
+//!   values behave alike, so the clock runs forever in a finite space. Lease 2 ticks,
+//!   local deadline margin 1 tick, backoff 1 tick. Process clocks run at the
+//!   database's rate (the margin is what covers drift).
+//! - The reaper and the renewer run inside the tick (their intervals): a working
+//!   renewer is never late, which is the timing assumption under which a healthy
+//!   process keeps its leases. A renewal's send, update and reply are one step; a
+//!   renewal that does not come is the pause fault, or the old RENEW waiting on a lock.
+//! - A pause stops the process's renewals (a stop-the-world pause, or a hung renewal
+//!   connection). Its other steps run or not as the schedule picks, and the checker
+//!   tries every schedule, so this one fault covers a frozen process too.
+//! - Reaps and completions take one row per transaction (the real ones batch: a batch
+//!   only adds rows to the same waits). A claim statement is one step; a chained
+//!   successor may find the slots held by a claim in flight and be parked.
+//! - The handler starts and calls `once` in one step (lookup, then the request); with
+//!   a deduplicating store the request is applied at once (its delay changes nothing a
+//!   property reads), with a fencing store it is in flight until the store takes it.
 //! - The sequencer's fetch-next (`claim_key`) is the claim statement restricted to a
-//!   key: its database step is [`actions::Action::Claim`]. Graceful shutdown (release)
-//!   is not modelled. Priorities are equal: claims take the lowest id first.
-//! - A handler makes one effect. A step that would wait for a lock is simply not
-//!   enabled until the lock is free; only steps that hold a lock while they wait (the
-//!   host transaction, an ending or reap waiting for a key row, the old RENEW) are
-//!   states of their own.
-//! - Processes are interchangeable (symmetry reduction, [`state::State::representative`]).
-//! - Budgets bound each fault and operator action ([`config::Config::bounded`]).
+//!   key: its database step is [`actions::Action::Claim`]. Graceful shutdown (release),
+//!   priorities, kinds and payload budgets are not modelled; claims take the lowest id.
+//! - A step that would wait for a lock is not enabled until the lock is free; only
+//!   transactions that hold a lock while they wait (the host transaction; an ending or
+//!   a reap waiting for a key row with its job row locked; the old RENEW) are states.
+//! - Processes are interchangeable (symmetry: [`state::State::representative`]).
+//! - Budgets bound faults and operator actions: [`config::Config::bounded`] allows one
+//!   fault (a crash, a pause or a handler error) and one operator action per run.
 //!
 //! # Properties
 //! See [`properties`]: no two handlers of a key run at once; a key's handlers start
 //! in key_seq order and only under a live lease; no stale generation's write is
 //! accepted; no job lost; no key stranded; a healthy process keeps its leases; no
-//! effect applied twice per effect key (dedup store) or the current attempt never
-//! fenced off (fencing store); and, from every state, a crash-free path on which every
-//! job ends (or waits for an operator).
+//! effect applied twice per effect key (deduplicating store), or the current attempt
+//! never fenced off (fencing store); and from every state, a crash-free path on which
+//! every job ends (or waits for an operator).
 //!
 //! # Defects
-//! [`config::Defects`]: each switch puts one known old behaviour back, and
-//! `tests/model_check.rs` shows the counterexample the checker finds for it.
+//! [`config::Defects`]: each switch puts one known old behaviour back;
+//! `tests/model_check.rs` shows the counterexample the checker finds for each.
+
+// The test and the example each use part of it.
+#![allow(dead_code)]
 
 pub mod actions;
 pub mod config;
@@ -59,6 +74,9 @@ pub mod trace;
 
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
+use stateright::report::{ReportData, ReportDiscovery, Reporter};
 use stateright::{Checker, HasDiscoveries, Model};
 
 pub use actions::Leasehold;
@@ -84,11 +102,12 @@ pub struct Explored {
 
 /// Every reachable state (up to process renaming), depth first on `threads` threads.
 pub fn explore(cfg: Config, threads: usize) -> Explored {
-    explore_up_to(cfg, threads, 0)
+    explore_up_to(cfg, threads, 0, false)
 }
 
-/// [`explore`], stopping after about `max_states` generated states (0: no limit).
-pub fn explore_up_to(cfg: Config, threads: usize, max_states: usize) -> Explored {
+/// [`explore`], stopping after about `max_states` generated states (0: no limit);
+/// `progress`: print the counts every 10 seconds.
+pub fn explore_up_to(cfg: Config, threads: usize, max_states: usize, progress: bool) -> Explored {
     let started = Instant::now();
     let mut builder = Leasehold::new(cfg)
         .checker()
@@ -97,7 +116,41 @@ pub fn explore_up_to(cfg: Config, threads: usize, max_states: usize) -> Explored
     if max_states > 0 {
         builder = builder.target_state_count(max_states);
     }
-    finish(builder.spawn_dfs().join(), started)
+    let checker = builder.spawn_dfs();
+    let checker = if progress {
+        checker.join_and_report(&mut Progress)
+    } else {
+        checker.join()
+    };
+    finish(checker, started)
+}
+
+/// Prints the counts while a long check runs (the failures are printed as traces).
+struct Progress;
+
+impl Reporter<Leasehold> for Progress {
+    fn report_checking(&mut self, data: ReportData) {
+        if !data.done {
+            println!(
+                "... {} states, {} unique, depth {}, {}s",
+                data.total_states,
+                data.unique_states,
+                data.max_depth,
+                data.duration.as_secs()
+            );
+        }
+    }
+
+    fn report_discoveries(
+        &mut self,
+        _: &Leasehold,
+        _: BTreeMap<&'static str, ReportDiscovery<Leasehold>>,
+    ) {
+    }
+
+    fn delay(&self) -> Duration {
+        Duration::from_secs(10)
+    }
 }
 
 /// The shortest counterexample of any property, breadth first (no symmetry reduction,
