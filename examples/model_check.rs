@@ -11,7 +11,7 @@
 //! `--cancels N --holds N --retries N --prunes N --operator N` (operator actions in all);
 //! `--quiet` (all budgets 0; give it before the budget flags); `--no-liveness`; `--store dedup|fenced`;
 //! `--defect NAME` (repeatable: renewal-waits, registry-from-start, cancel-promotes,
-//! prune-dead, prune-key-rows, no-deadline); `--threads N`; `--max-states N` (stop after about N
+//! prune-dead, prune-key-rows, no-deadline, promote-now); `--threads N`; `--max-states N` (stop after about N
 //! states); `--shortest` (breadth first, stop at the first failure).
 //!
 //! Exit status 1 when a property fails, with its trace.
@@ -87,6 +87,7 @@ fn main() {
                     Some("prune-dead") => d.prune_deletes_dead = true,
                     Some("prune-key-rows") => d.prune_restarts_key_seq = true,
                     Some("no-deadline") => d.no_local_deadline = true,
+                    Some("promote-now") => d.promote_lease_from_transaction_start = true,
                     _ => usage(&flag),
                 }
             }

@@ -176,6 +176,24 @@ fn prune_that_restarts_key_seq_gets_the_next_job_fenced_off() {
 }
 
 #[test]
+fn promote_that_counts_the_lease_from_its_transaction_start_claims_a_successor_already_expired() {
+    // Found by this model, in the code as it is: PROMOTE's chained claim sets
+    // lease_until = now() + lease, and now() is the start of the completion's
+    // transaction, which waited for the key row of an open host transaction. The
+    // successor is born expired and reaped from a healthy process; with one attempt
+    // allowed it is dead without having run.
+    let mut cfg = Config::bounded().quiet();
+    cfg.max_attempts = 1;
+    let switch = |c: &mut Config| c.defects.promote_lease_from_transaction_start = true;
+    assert_found(
+        "PROMOTE counts the lease from now()",
+        cfg,
+        switch,
+        &[HEALTHY_KEEPS_LEASES],
+    );
+}
+
+#[test]
 fn without_a_local_deadline_a_paused_renewal_runs_two_handlers_of_a_key() {
     let mut cfg = on_one_key(2);
     cfg.budget.pauses = 1;

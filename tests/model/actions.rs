@@ -138,7 +138,7 @@ impl Leasehold {
             for a in &proc.attempts {
                 let (j, g) = (a.job, a.gen);
                 match a.phase {
-                    Phase::Writing(e) if !s.key_locked(cfg, cfg.key_of(j)) => {
+                    Phase::Writing { ending: e, .. } if !s.key_locked(cfg, cfg.key_of(j)) => {
                         out.push(Action::Resume(p, j, g, false));
                         if e == (Ending::Complete { chain: true }) {
                             out.push(Action::Resume(p, j, g, true));

@@ -59,6 +59,11 @@ pub struct Defects {
     /// No local deadline: a handler whose renewals stopped is never cancelled by its own
     /// process.
     pub no_local_deadline: bool,
+    /// PROMOTE's chained claim sets `lease_until = now() + lease`, `now()` being the start
+    /// of the completion's transaction, which may have waited for a key row longer than
+    /// a lease: the successor is claimed with a lease that has already passed. (Found by
+    /// this model; false is `clock_timestamp()`, as the hardened RENEW does.)
+    pub promote_lease_from_transaction_start: bool,
 }
 
 #[derive(Clone, Debug)]

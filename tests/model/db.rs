@@ -36,7 +36,7 @@ impl State {
                 p.up != Up::Crashed
                     && p.attempts
                         .iter()
-                        .any(|a| a.job == job && matches!(a.phase, Phase::Writing(_)))
+                        .any(|a| a.job == job && matches!(a.phase, Phase::Writing { .. }))
             })
     }
 
@@ -54,12 +54,17 @@ impl State {
 
     /// The claim's SET: running, owner, generation + 1, attempts + 1, lease_until.
     pub fn claim_row(&mut self, cfg: &Config, job: JobId, p: ProcId) -> u8 {
+        self.claim_row_at(cfg, job, p, 0)
+    }
+
+    /// [`State::claim_row`] with `lease_until` counted from `began` (relative to now).
+    fn claim_row_at(&mut self, cfg: &Config, job: JobId, p: ProcId, began: i8) -> u8 {
         let r = &mut self.rows[job as usize];
         r.state = JobState::Running;
         r.owner = p;
         r.generation += 1;
         r.attempts += 1;
-        r.lease_left = cfg.lease;
+        r.lease_left = (began + cfg.lease).max(-1);
         r.cancel_requested = false;
         r.generation
     }
@@ -87,8 +92,15 @@ impl State {
     }
 
     /// src/store/keys.rs PROMOTE: the key's next waiting job (by key_seq) becomes
-    /// pending, or, chained, running for `chain` with a fresh lease.
-    pub fn promote(&mut self, cfg: &Config, key: u8, chain: Option<ProcId>) -> Option<(JobId, u8)> {
+    /// pending, or, chained, running for `chain` with a lease from `began` (its
+    /// transaction's start, relative to now).
+    pub fn promote(
+        &mut self,
+        cfg: &Config,
+        key: u8,
+        chain: Option<ProcId>,
+        began: i8,
+    ) -> Option<(JobId, u8)> {
         let next = (0..self.rows.len() as JobId)
             .filter(|&j| {
                 cfg.key_of(j) == Some(key) && self.rows[j as usize].state == JobState::Waiting
@@ -97,7 +109,7 @@ impl State {
         let r = &mut self.rows[next as usize];
         r.due_in = 0; // greatest(available_at, now())
         r.set(JobState::Pending);
-        chain.map(|p| (next, self.claim_row(cfg, next, p)))
+        chain.map(|p| (next, self.claim_row_at(cfg, next, p, began)))
     }
 
     /// `Store::end_heads_chained`: LEAVE_KEYS then PROMOTE, in the ending's transaction.
@@ -106,9 +118,10 @@ impl State {
         cfg: &Config,
         key: u8,
         chain: Option<ProcId>,
+        began: i8,
     ) -> Option<(JobId, u8)> {
         self.leave_key(key);
-        self.promote(cfg, key, chain)
+        self.promote(cfg, key, chain, began)
     }
 
     /// src/store/complete.rs COMPLETE_MANY (keyed; its `k` step locks the key row, then
@@ -128,10 +141,11 @@ impl State {
         if self.key_locked(cfg, key) {
             return Written::Waiting;
         }
-        self.commit_complete(cfg, job, p, gen, chain)
+        self.commit_complete(cfg, job, p, gen, chain, 0)
     }
 
-    /// The rest of COMPLETE_MANY once its key row is free.
+    /// The rest of COMPLETE_MANY once its key row is free; `began`: when its transaction
+    /// began (its `now()`), which the old PROMOTE counts the successor's lease from.
     pub fn commit_complete(
         &mut self,
         cfg: &Config,
@@ -139,11 +153,12 @@ impl State {
         p: ProcId,
         gen: u8,
         chain: bool,
+        began: i8,
     ) -> Written {
         self.accept(job, p, gen);
         self.rows[job as usize].set(JobState::Done);
         let next = match cfg.key_of(job) {
-            Some(k) => self.end_head(cfg, k, chain.then_some(p)),
+            Some(k) => self.end_head(cfg, k, chain.then_some(p), began),
             None => None,
         };
         Written::Committed(next)
@@ -198,6 +213,7 @@ impl State {
                 cfg,
                 cfg.key_of(job).expect("only keyed jobs end a head"),
                 None,
+                0,
             );
         }
     }
@@ -275,7 +291,7 @@ impl State {
             _ => {
                 self.rows[job as usize].set(JobState::Cancelled);
                 if let Some(k) = key {
-                    self.end_head(cfg, k, None);
+                    self.end_head(cfg, k, None, 0);
                 }
             }
         }

@@ -46,7 +46,7 @@ impl State {
             cfg.key_of(a.job) == Some(key)
                 && matches!(
                     a.phase,
-                    Phase::Ready | Phase::Handler(_) | Phase::Ending(_) | Phase::Writing(_)
+                    Phase::Ready | Phase::Handler(_) | Phase::Ending(_) | Phase::Writing { .. }
                 )
         })
     }
@@ -295,11 +295,12 @@ impl State {
 
     /// A waiting ending transaction gets its key row and commits.
     pub fn resume(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, park: bool) {
-        let Phase::Writing(ending) = self.attempt(p, job, gen).expect("attempt").phase else {
+        let phase = self.attempt(p, job, gen).expect("attempt").phase;
+        let Phase::Writing { ending, began } = phase else {
             unreachable!("only a waiting transaction resumes")
         };
         let written = match ending {
-            Ending::Complete { chain } => self.commit_complete(cfg, job, p, gen, chain),
+            Ending::Complete { chain } => self.commit_complete(cfg, job, p, gen, chain, began),
             Ending::Fail => self.commit_fail(cfg, job, p, gen),
         };
         self.after_write(cfg, p, job, gen, ending, written, park);
@@ -319,11 +320,19 @@ impl State {
         park: bool,
     ) {
         match w {
-            Written::Waiting => self.set_phase(p, job, gen, Phase::Writing(ending)),
+            Written::Waiting => self.set_phase(p, job, gen, Phase::Writing { ending, began: 0 }),
             Written::Stale => self.remove_attempt(p, job, gen),
             Written::Committed(next) => {
                 self.remove_attempt(p, job, gen);
                 if let Some((sj, sg)) = next {
+                    // Claimed by the completion statement: its local deadline counts from
+                    // when that statement was sent (the transaction's start).
+                    let sent = match self.rows[sj as usize].lease_left {
+                        left if cfg.defects.promote_lease_from_transaction_start => {
+                            left - cfg.lease
+                        }
+                        _ => 0,
+                    };
                     let phase = if !park && self.free_slots(cfg, p) > 0 {
                         Phase::Ready
                     } else {
@@ -333,7 +342,7 @@ impl State {
                         job: sj,
                         gen: sg,
                         phase,
-                        deadline: cfg.deadline_from(0),
+                        deadline: cfg.deadline_from(sent.max(-cfg.lease)),
                         cancelled: false,
                     };
                     self.add_attempt(p, fresh);
@@ -364,6 +373,13 @@ impl State {
         for proc in &mut self.procs {
             if let Renewer::Blocked { sent } = &mut proc.renewer {
                 *sent = (*sent - 1).max(-(cfg.lease + 1));
+            }
+            if cfg.defects.promote_lease_from_transaction_start {
+                for a in &mut proc.attempts {
+                    if let Phase::Writing { began, .. } = &mut a.phase {
+                        *began = (*began - 1).max(-(cfg.lease + 1));
+                    }
+                }
             }
             if !deadlines {
                 continue;

@@ -125,7 +125,9 @@ pub enum Phase {
     /// The handler returned; its slot is free; the ending is still to be written.
     Ending(Ending),
     /// The ending's transaction has its job row locked and waits for the key row.
-    Writing(Ending),
+    /// `began`: when it began, relative to now (its statements' `now()`); kept only
+    /// where a defect switch reads it, 0 otherwise.
+    Writing { ending: Ending, began: i8 },
 }
 
 /// Progress of the handler's effect.
@@ -372,7 +374,7 @@ impl State {
         }
         for p in &mut self.procs {
             for a in &mut p.attempts {
-                if matches!(a.phase, Phase::Ending(_) | Phase::Writing(_)) {
+                if matches!(a.phase, Phase::Ending(_) | Phase::Writing { .. }) {
                     a.deadline = 0;
                     a.cancelled = false;
                 }

@@ -47,7 +47,7 @@ fn describe(cfg: &Config, before: &State, a: &Action) -> String {
         End(p, j, g, park) | Resume(p, j, g, park) => {
             let phase = before.attempt(*p, *j, *g).map(|x| x.phase);
             let ending = match phase {
-                Some(Phase::Ending(e)) | Some(Phase::Writing(e)) => e,
+                Some(Phase::Ending(e)) | Some(Phase::Writing { ending: e, .. }) => e,
                 _ => Ending::Fail,
             };
             let sql = match (ending, cfg.key_of(*j)) {
@@ -151,7 +151,7 @@ pub fn summary(cfg: &Config, s: &State) -> String {
                 Phase::Handler(Effect::Refused) => "handler:refused",
                 Phase::Ending(Ending::Complete { .. }) => "returned:ok",
                 Phase::Ending(Ending::Fail) => "returned:err",
-                Phase::Writing(_) => "ending-waits-key",
+                Phase::Writing { .. } => "ending-waits-key",
             };
             let _ = write!(out, "j{}g{} {phase}", a.job, a.gen);
             if !cfg.defects.no_local_deadline {
