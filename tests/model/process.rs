@@ -1,0 +1,496 @@
+//! A scheduler process's side of each step: claimer, sequencers, executor, completer,
+//! lease renewer, and the faults of a process. The database side is in [`super::db`].
+//!
+//! # Slots
+//! An attempt holds a slot while queued, ready or running its handler; it gives it back
+//! when the handler returns (`Slots::finishing`), before its ending is written. The
+//! claim statement is one step; the slots it reserves while in flight (`Slots::take`
+//! before CLAIM) matter only to a chained successor arriving meanwhile, which then finds
+//! no slot and is parked: that step may park it even though a slot looks free. The
+//! finishing backpressure (`finishing_max`) is not modelled: it only delays claims.
+
+use super::config::EffectStore;
+use super::config::{Config, JobId, ProcId};
+use super::db::Written;
+use super::state::{broken, Attempt, Effect, Ending, Phase, Renewer, Request, Spend, State, Up};
+
+impl Config {
+    /// A fresh local deadline: sent + lease - margin (0 and never lowered without one).
+    pub fn deadline_from(&self, sent: i8) -> i8 {
+        if self.defects.no_local_deadline {
+            0
+        } else {
+            (sent + self.lease - self.margin).max(-1)
+        }
+    }
+}
+
+fn holds_slot(phase: Phase) -> bool {
+    matches!(phase, Phase::Queued | Phase::Ready | Phase::Handler(_))
+}
+
+impl State {
+    pub fn free_slots(&self, cfg: &Config, p: ProcId) -> u8 {
+        let held = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| holds_slot(a.phase))
+            .count() as u8;
+        cfg.slots.saturating_sub(held)
+    }
+
+    /// The key's sequencer in `p` runs an attempt (from `Sequencer::run` until
+    /// `execute_chained` returns, i.e. its ending is written).
+    fn sequencer_busy(&self, cfg: &Config, p: ProcId, key: u8) -> bool {
+        self.procs[p as usize].attempts.iter().any(|a| {
+            cfg.key_of(a.job) == Some(key)
+                && matches!(
+                    a.phase,
+                    Phase::Ready | Phase::Handler(_) | Phase::Ending(_) | Phase::Writing { .. }
+                )
+        })
+    }
+
+    /// In the renewal registry. Hardened: from the claim on. Old: from the start of
+    /// `attempt_once` (ready: its sequencer or task runs it now), so parked and queued
+    /// attempts were not.
+    pub fn registered(&self, cfg: &Config, a: &Attempt) -> bool {
+        !cfg.defects.renewal_from_handler_start || !matches!(a.phase, Phase::Parked | Phase::Queued)
+    }
+
+    fn add_attempt(&mut self, p: ProcId, a: Attempt) {
+        let list = &mut self.procs[p as usize].attempts;
+        list.push(a);
+        list.sort();
+    }
+
+    fn remove_attempt(&mut self, p: ProcId, job: JobId, gen: u8) {
+        self.procs[p as usize]
+            .attempts
+            .retain(|a| !(a.job == job && a.gen == gen));
+    }
+
+    fn set_phase(&mut self, p: ProcId, job: JobId, gen: u8, phase: Phase) {
+        self.attempt_mut(p, job, gen).expect("attempt").phase = phase;
+        self.procs[p as usize].attempts.sort();
+    }
+
+    /// `Claimer::dispatch`: an unkeyed job runs; a keyed one goes to its sequencer,
+    /// which runs it, or queues it behind the attempt it runs.
+    fn dispatch(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8) {
+        let queued = cfg
+            .key_of(job)
+            .is_some_and(|k| self.sequencer_busy(cfg, p, k));
+        let phase = if queued { Phase::Queued } else { Phase::Ready };
+        match self.attempt_mut(p, job, gen) {
+            Some(a) => a.phase = phase,
+            None => self.add_attempt(
+                p,
+                Attempt {
+                    job,
+                    gen,
+                    phase,
+                    deadline: cfg.deadline_from(0),
+                    cancelled: false,
+                },
+            ),
+        }
+        self.procs[p as usize].attempts.sort();
+    }
+
+    /// `Sequencer::next_or_idle`: once the key's attempt is over, run the next queued.
+    fn sequencer_next(&mut self, cfg: &Config, p: ProcId, key: Option<u8>) {
+        let Some(k) = key else { return };
+        if self.sequencer_busy(cfg, p, k) {
+            return;
+        }
+        let next = self.procs[p as usize]
+            .attempts
+            .iter()
+            .find(|a| a.phase == Phase::Queued && cfg.key_of(a.job) == Some(k))
+            .copied();
+        if let Some(a) = next {
+            self.set_phase(p, a.job, a.gen, Phase::Ready);
+        }
+    }
+
+    /// `Claimer::claim_after`: serve parked successors the free slots first
+    /// (`serve_parked`), then CLAIM into the rest and dispatch what it returns.
+    pub fn claim_step(&mut self, cfg: &Config, p: ProcId) {
+        let parked: Vec<Attempt> = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| a.phase == Phase::Parked)
+            .copied()
+            .collect();
+        for a in parked {
+            if self.free_slots(cfg, p) == 0 {
+                break;
+            }
+            self.dispatch(cfg, p, a.job, a.gen);
+        }
+        let limit = self.free_slots(cfg, p);
+        for (job, gen) in self.claim(cfg, p, limit) {
+            self.dispatch(cfg, p, job, gen);
+        }
+    }
+
+    /// Whether a claim step would find work: a parked successor, or a due pending row.
+    pub fn claim_finds_work(&self, cfg: &Config, p: ProcId) -> bool {
+        self.free_slots(cfg, p) > 0
+            && (self.procs[p as usize]
+                .attempts
+                .iter()
+                .any(|a| a.phase == Phase::Parked)
+                || self.rows.iter().enumerate().any(|(j, r)| {
+                    r.state == super::state::JobState::Pending
+                        && r.due_in == 0
+                        && !self.row_locked(j as JobId)
+                }))
+    }
+
+    /// `attempt_once` before the handler: hardened, nothing starts without a live lease
+    /// (not lost, local deadline not passed); such an attempt writes its ending instead.
+    /// The handler then calls `once` at once (or, `fails`, returns an error first).
+    pub fn start(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, fails: bool) {
+        let a = *self.attempt(p, job, gen).expect("attempt");
+        let checked = !cfg.defects.renewal_from_handler_start;
+        if checked && (a.cancelled || a.deadline < 0) {
+            self.set_phase(p, job, gen, Phase::Ending(Ending::Fail));
+            return;
+        }
+        let row = self.rows[job as usize];
+        if let Some(k) = cfg.key_of(job) {
+            let seen = &mut self.ghost.started_seq[k as usize];
+            if row.key_seq < *seen {
+                self.ghost.broken |= broken::START_ORDER;
+            }
+            *seen = (*seen).max(row.key_seq);
+        }
+        if !self.fence_ok(job, p, gen) || row.lease_left < 0 {
+            self.ghost.broken |= broken::START_WITHOUT_LEASE;
+        }
+        if self.handler_of_key_runs(cfg, cfg.key_of(job)) {
+            self.ghost.broken |= broken::OVERLAP;
+        }
+        if fails {
+            self.budget.spend(Spend::Failure);
+            self.set_phase(p, job, gen, Phase::Ending(Ending::Fail));
+        } else {
+            self.act(cfg, p, job, gen);
+        }
+    }
+
+    /// Some live process runs a handler of this key now.
+    fn handler_of_key_runs(&self, cfg: &Config, key: Option<u8>) -> bool {
+        key.is_some()
+            && self.procs.iter().filter(|q| q.up != Up::Crashed).any(|q| {
+                q.attempts
+                    .iter()
+                    .any(|a| matches!(a.phase, Phase::Handler(_)) && cfg.key_of(a.job) == key)
+            })
+    }
+
+    /// The handler returns: complete (chained if a slot is spare) or fail.
+    fn handler_returns(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, ok: bool) {
+        let ending = if ok {
+            let spare = self.free_slots(cfg, p) > 0;
+            Ending::Complete {
+                chain: spare && cfg.key_of(job).is_some(),
+            }
+        } else {
+            Ending::Fail
+        };
+        self.set_phase(p, job, gen, Phase::Ending(ending));
+    }
+
+    /// `JobContext::once`: the ledger first (a recorded outcome is reused); a cancelled
+    /// attempt does not act; otherwise the request goes out with the effect key and the
+    /// fencing token.
+    fn act(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8) {
+        let a = *self.attempt(p, job, gen).expect("attempt");
+        if self.ledger & (1 << job) != 0 {
+            self.handler_returns(cfg, p, job, gen, true);
+        } else if a.cancelled {
+            self.handler_returns(cfg, p, job, gen, false);
+        } else {
+            let token = (self.rows[job as usize].key_seq, gen);
+            self.store.in_flight.push(Request {
+                job,
+                token,
+                from: p,
+            });
+            self.store.in_flight.sort();
+            self.set_phase(p, job, gen, Phase::Handler(Effect::Awaiting));
+            if cfg.store == EffectStore::Dedup {
+                // Whenever a request reaches a deduplicating store, it applies the key
+                // once: its delay changes nothing any property sees, so it arrives now.
+                let at = self
+                    .store
+                    .in_flight
+                    .iter()
+                    .position(|r| r.job == job && r.token.1 == gen);
+                self.deliver(cfg, at.expect("just sent"));
+            }
+        }
+    }
+
+    /// The effect store takes request `i`; its answer reaches the attempt if the
+    /// attempt still waits for it.
+    pub fn deliver(&mut self, cfg: &Config, i: usize) {
+        let req = self.store.in_flight.remove(i);
+        let job = req.job as usize;
+        let scope = cfg.token_scope(req.job);
+        let ok = match cfg.store {
+            EffectStore::Dedup => {
+                self.store.applied[job] = self.store.applied[job].max(1);
+                true
+            }
+            EffectStore::Fenced if req.token < self.store.newest[scope] => {
+                if self.fence_ok(req.job, req.from, req.token.1) {
+                    self.ghost.broken |= broken::CURRENT_REFUSED;
+                }
+                false
+            }
+            EffectStore::Fenced => {
+                self.store.applied[job] = (self.store.applied[job] + 1).min(2);
+                self.store.newest[scope] = req.token;
+                true
+            }
+        };
+        if self.procs[req.from as usize].up == Up::Crashed {
+            return;
+        }
+        if let Some(a) = self.attempt_mut(req.from, req.job, req.token.1) {
+            if a.phase == Phase::Handler(Effect::Awaiting) {
+                a.phase = Phase::Handler(if ok {
+                    Effect::Answered
+                } else {
+                    Effect::Refused
+                });
+            }
+        }
+    }
+
+    /// The answer is back: record the outcome in the ledger (fenced) and return; a
+    /// refusal or a stale record makes the handler return an error.
+    pub fn record_step(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8) {
+        let a = *self.attempt(p, job, gen).expect("attempt");
+        let ok = a.phase == Phase::Handler(Effect::Answered) && self.record(job, p, gen);
+        self.handler_returns(cfg, p, job, gen, ok);
+    }
+
+    /// The executor writes the attempt's ending (through the completer for a completion).
+    /// `park`: a claim in flight holds the free slots when a chained successor arrives.
+    pub fn end(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, park: bool) {
+        let Phase::Ending(ending) = self.attempt(p, job, gen).expect("attempt").phase else {
+            unreachable!("only an ended handler writes its ending")
+        };
+        let written = match ending {
+            Ending::Complete { chain } => self.complete(cfg, job, p, gen, chain),
+            Ending::Fail => self.fail(cfg, job, p, gen),
+        };
+        self.after_write(cfg, p, job, gen, ending, written, park);
+    }
+
+    /// A waiting ending transaction gets its key row and commits.
+    pub fn resume(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, park: bool) {
+        let phase = self.attempt(p, job, gen).expect("attempt").phase;
+        let Phase::Writing { ending, began } = phase else {
+            unreachable!("only a waiting transaction resumes")
+        };
+        let written = match ending {
+            Ending::Complete { chain } => self.commit_complete(cfg, job, p, gen, chain, began),
+            Ending::Fail => self.commit_fail(cfg, job, p, gen),
+        };
+        self.after_write(cfg, p, job, gen, ending, written, park);
+    }
+
+    /// `Sequencer::after`: a successor claimed by the completion runs if a slot is free,
+    /// or is parked; then the key's queued attempts.
+    #[allow(clippy::too_many_arguments)]
+    fn after_write(
+        &mut self,
+        cfg: &Config,
+        p: ProcId,
+        job: JobId,
+        gen: u8,
+        ending: Ending,
+        w: Written,
+        park: bool,
+    ) {
+        match w {
+            Written::Waiting => self.set_phase(p, job, gen, Phase::Writing { ending, began: 0 }),
+            Written::Stale => self.remove_attempt(p, job, gen),
+            Written::Committed(next) => {
+                self.remove_attempt(p, job, gen);
+                if let Some((sj, sg)) = next {
+                    // Claimed by the completion statement: its local deadline counts from
+                    // when that statement was sent (the transaction's start).
+                    let sent = match self.rows[sj as usize].lease_left {
+                        left if cfg.defects.promote_lease_from_transaction_start => {
+                            left - cfg.lease
+                        }
+                        _ => 0,
+                    };
+                    let phase = if !park && self.free_slots(cfg, p) > 0 {
+                        Phase::Ready
+                    } else {
+                        Phase::Parked
+                    };
+                    let fresh = Attempt {
+                        job: sj,
+                        gen: sg,
+                        phase,
+                        deadline: cfg.deadline_from(sent.max(-cfg.lease)),
+                        cancelled: false,
+                    };
+                    self.add_attempt(p, fresh);
+                }
+            }
+        }
+        self.sequencer_next(cfg, p, cfg.key_of(job));
+    }
+
+    /// The reaper takes back what had expired; the clock advances one tick; attempts
+    /// past their local deadline are cancelled and stopped; every process whose renewer
+    /// works renews. (Reaper and renewer run every tick: their intervals.)
+    pub fn tick(&mut self, cfg: &Config) {
+        for j in 0..self.rows.len() as JobId {
+            let r = self.rows[j as usize];
+            if r.state == super::state::JobState::Running && r.lease_left < 0 && !self.row_locked(j)
+            {
+                self.reap(cfg, j);
+            }
+        }
+        for r in &mut self.rows {
+            if r.state == super::state::JobState::Running {
+                r.lease_left = (r.lease_left - 1).max(-1);
+            }
+            r.due_in = r.due_in.saturating_sub(1);
+        }
+        let deadlines = !cfg.defects.no_local_deadline;
+        for proc in &mut self.procs {
+            if let Renewer::Blocked { sent } = &mut proc.renewer {
+                *sent = (*sent - 1).max(-(cfg.lease + 1));
+            }
+            if cfg.defects.promote_lease_from_transaction_start {
+                for a in &mut proc.attempts {
+                    if let Phase::Writing { began, .. } = &mut a.phase {
+                        *began = (*began - 1).max(-(cfg.lease + 1));
+                    }
+                }
+            }
+            if !deadlines {
+                continue;
+            }
+            for a in &mut proc.attempts {
+                a.deadline = (a.deadline - 1).max(-1);
+                // The deadline timer: cancel, and stop the handler. (A frozen process's
+                // handler makes no step until its timer has fired either.)
+                if a.deadline < 0 && matches!(a.phase, Phase::Handler(_)) {
+                    a.cancelled = true;
+                    a.phase = Phase::Ending(Ending::Fail);
+                }
+            }
+            proc.attempts.sort();
+        }
+        for p in 0..self.procs.len() as ProcId {
+            let proc = &self.procs[p as usize];
+            if proc.up == Up::Running && proc.renewer == Renewer::Ok {
+                self.renew(cfg, p);
+                if self.procs[p as usize].renewer == Renewer::Ok {
+                    // Renewed since its pause: healthy again for the lease property.
+                    self.ghost.faulted &= !(1 << p);
+                }
+            }
+        }
+    }
+
+    /// src/store/lease.rs RENEW for the registry's attempts. Hardened: rows locked by
+    /// another transaction are skipped (FOR UPDATE SKIP LOCKED) and count as busy, not
+    /// lost. Old: a plain UPDATE that waits for the lock.
+    fn renew(&mut self, cfg: &Config, p: ProcId) {
+        let mine: Vec<Attempt> = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| self.registered(cfg, a))
+            .copied()
+            .collect();
+        if mine.is_empty() {
+            return;
+        }
+        if cfg.defects.renewal_waits_on_locks && mine.iter().any(|a| self.row_locked(a.job)) {
+            self.procs[p as usize].renewer = Renewer::Blocked { sent: 0 };
+            return;
+        }
+        self.renewed(cfg, p, &mine, 0);
+    }
+
+    /// The renewal's reply: deadlines from the send time; lost leases (and requested
+    /// cancels) cancel their handlers.
+    fn renewed(&mut self, cfg: &Config, p: ProcId, mine: &[Attempt], sent: i8) {
+        for a in mine {
+            if self.row_locked(a.job) {
+                continue;
+            }
+            let ours = self.fence_ok(a.job, p, a.gen);
+            let row = &mut self.rows[a.job as usize];
+            if ours {
+                row.lease_left = (sent + cfg.lease).max(-1);
+            }
+            let cancel = !ours || row.cancel_requested;
+            let at = self.attempt_mut(p, a.job, a.gen).expect("attempt");
+            if ours {
+                at.deadline = cfg.deadline_from(sent);
+            }
+            at.cancelled |= cancel;
+        }
+        self.procs[p as usize].attempts.sort();
+    }
+
+    /// The old RENEW got its lock and commits, with `now()` of its start.
+    pub fn renew_resume(&mut self, cfg: &Config, p: ProcId) {
+        let Renewer::Blocked { sent } = self.procs[p as usize].renewer else {
+            unreachable!()
+        };
+        let mine: Vec<Attempt> = self.procs[p as usize]
+            .attempts
+            .iter()
+            .filter(|a| self.registered(cfg, a))
+            .copied()
+            .collect();
+        self.procs[p as usize].renewer = Renewer::Ok;
+        self.renewed(cfg, p, &mine, sent);
+    }
+
+    pub fn renewal_can_resume(&self, cfg: &Config, p: ProcId) -> bool {
+        let proc = &self.procs[p as usize];
+        matches!(proc.renewer, Renewer::Blocked { .. })
+            && !proc
+                .attempts
+                .iter()
+                .any(|a| self.registered(cfg, a) && self.row_locked(a.job))
+    }
+
+    /// The process dies: its memory and its connections (an open ending transaction
+    /// rolls back). Its rows stay running until their leases pass.
+    pub fn crash(&mut self, p: ProcId) {
+        self.budget.spend(Spend::Crash);
+        let proc = &mut self.procs[p as usize];
+        proc.up = Up::Crashed;
+        proc.renewer = Renewer::Ok;
+        proc.attempts.clear();
+    }
+
+    /// The process pauses (or its renewal connection hangs): no renewal until it ends.
+    pub fn pause(&mut self, p: ProcId) {
+        self.budget.spend(Spend::Pause);
+        self.procs[p as usize].renewer = Renewer::Paused;
+        self.ghost.faulted |= 1 << p;
+    }
+
+    pub fn unpause(&mut self, p: ProcId) {
+        self.procs[p as usize].renewer = Renewer::Ok;
+    }
+}
