@@ -51,6 +51,8 @@ pub struct Event {
     pub at_us: i64,
     #[serde(default)]
     pub owner: Option<String>,
+    #[serde(default)]
+    pub detail: Option<String>,
 }
 
 /// A row of `db/job_keys.jsonl`: a key's sequence row, live or deleted by retention.

@@ -400,7 +400,9 @@ pub fn bad_input(c: &Input, f: &mut Findings) {
         .collect();
     for j in &c.jobs {
         let expect = c.expect(j);
-        if j.state == "dead" && j.attempts < j.max_attempts && expect != "dead" {
+        // Dead at once by design: bad input, and poison (see `poison`).
+        let dies_at_once = expect == "dead" || expect.starts_with("poison");
+        if j.state == "dead" && j.attempts < j.max_attempts && !dies_at_once {
             f.add(
                 "attempt_limit",
                 format!(

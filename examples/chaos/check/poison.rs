@@ -23,6 +23,28 @@ use super::{Findings, Stats};
 pub const BATCH_WINDOW_NS: i64 = 250_000_000;
 
 pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
+    let worker_of: HashMap<&str, usize> = c
+        .history
+        .iter()
+        .filter(|l| l.ev == "up")
+        .filter_map(|l| l.owner.as_deref().map(|o| (o, l.w)))
+        .collect();
+    let lease_us = c.run.lease_ms as i64 * 1000;
+    // An expiry that no fault explains: the worker had the job and never ended it.
+    let unexplained_expiry = |job: i64| {
+        c.expiries.iter().any(|x| {
+            x.job_id == job
+                && x.reaped_by != super::execution::RACE_REAPER
+                && worker_of.get(x.owner.as_str()).map_or(true, |w| {
+                    !lease_fault_near(
+                        c,
+                        *w,
+                        x.lease_until_us - lease_us,
+                        x.reaped_at_us + 1_000_000,
+                    )
+                })
+        })
+    };
     let mut poison: HashSet<i64> = HashSet::new();
     for j in &c.jobs {
         let expect = c.expect(j);
@@ -40,8 +62,24 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         if j.state == "cancelled" {
             continue; // an operator's cancel got there first
         }
+        // Every attempt a worker ended itself must have ended dead with the reason; the
+        // others may only have ended by faults (a racing reaper, a killed or stopped
+        // worker, a release at shutdown) before a worker got to them, so a job whose
+        // attempts faults used up may end dead of an expiry. An operator's retry (the
+        // retention loop races `retry_dead`) starts it over.
+        let ended_by_worker_otherwise = c.events.iter().any(|e| {
+            e.job_id == j.id
+                && matches!(e.event.as_str(), "completed" | "failed" | "dead")
+                && !e
+                    .detail
+                    .as_deref()
+                    .unwrap_or("")
+                    .to_lowercase()
+                    .contains(want)
+        });
         let reason = j.last_error.as_deref().unwrap_or("").to_lowercase();
-        if j.state != "dead" || !reason.contains(want) {
+        let contained = reason.contains(want) || !unexplained_expiry(j.id);
+        if j.state != "dead" || ended_by_worker_otherwise || !contained {
             f.add(
                 if expect == "poison_result" {
                     "poison_result"
@@ -85,9 +123,20 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
         .filter(|x| x.reaped_by == super::execution::RACE_REAPER)
         .map(|x| (x.job_id, x.generation))
         .collect();
+    // Jobs dead by design (bad input of their own) are no victims of their neighbour.
+    let dead_by_design: HashSet<i64> = c
+        .jobs
+        .iter()
+        .filter(|j| c.expect(j) == "dead")
+        .map(|j| j.id)
+        .collect();
     let mut checked: HashSet<(i64, i64)> = HashSet::new();
     let mut judge = |n: (i64, i64), w: Option<usize>, from: i64, p: i64, f: &mut Findings| {
-        if poison.contains(&n.0) || raced.contains(&n) || !checked.insert(n) {
+        if poison.contains(&n.0)
+            || raced.contains(&n)
+            || dead_by_design.contains(&n.0)
+            || !checked.insert(n)
+        {
             return;
         }
         s.poison_neighbours += 1;

@@ -264,6 +264,21 @@ fn orphan_running() -> Result<(), String> {
     expect("orphan_running", build("running"), build("done"))
 }
 
+/// A poison job that ended dead of expiries: a violation when a healthy worker let its
+/// lease lapse (it could not contain the poison), not when faults used up its attempts
+/// before any worker got to it (`killed`: its worker was killed at the expiry).
+fn poison_expired(expect_as: &str, killed: bool) -> Findings {
+    let mut s = Synth::new();
+    s.up(0);
+    s.job(1, None, None, "dead").last_error = Some("lease expired (generation 3)".into());
+    s.expect(1, expect_as);
+    s.expiry(1, 3, 0, 1_000, 1_100);
+    if killed {
+        s.process_end(0, 900, "killed(signal: 9 (SIGKILL))");
+    }
+    s.run(poison::check)
+}
+
 fn poison_result() -> Result<(), String> {
     let build = |state: &str, reason: &str| {
         let mut s = Synth::new();
@@ -278,8 +293,13 @@ fn poison_result() -> Result<(), String> {
     )?;
     expect(
         "poison_result",
-        build("dead", "lease expired (generation 3)"),
+        poison_expired("poison_result", false),
         build("dead", "result of 70000 bytes exceeds the cap"),
+    )?;
+    expect(
+        "poison_result",
+        poison_expired("poison_result", false),
+        poison_expired("poison_result", true),
     )
 }
 
@@ -292,8 +312,13 @@ fn poison_payload() -> Result<(), String> {
     };
     expect(
         "poison_payload",
-        build("lease expired (generation 3)"),
+        poison_expired("poison_payload", false),
         build("payload cannot be decoded: recursion limit exceeded"),
+    )?;
+    expect(
+        "poison_payload",
+        poison_expired("poison_payload", false),
+        poison_expired("poison_payload", true),
     )
 }
 

@@ -2,7 +2,7 @@
 //! (jobs, events, history lines, faults, processes) in milliseconds from an arbitrary
 //! origin on both clocks, and the one assertion every case makes.
 
-use super::input::{Event, Input, Job, Parts};
+use super::input::{Event, Expiry, Input, Job, Parts};
 use super::{Findings, Stats};
 use crate::model::{ClockInfo, EnqueueRecord, FaultRecord, HistoryLine, ProcessRecord, RunInfo};
 
@@ -78,6 +78,7 @@ impl Synth {
             event: event.into(),
             at_us: us(at_ms),
             owner: Some(owner.into()),
+            detail: None,
         });
     }
 
@@ -130,6 +131,19 @@ impl Synth {
         f.end_mono_ns = ns(to);
         f.jobs = jobs;
         self.0.faults.push(f);
+    }
+
+    /// The lease of `job`'s generation `gen`, held by worker `w`, expired at
+    /// `until_ms` and was reaped at `reaped_ms` (by a worker's reaper).
+    pub fn expiry(&mut self, job: i64, gen: i64, w: usize, until_ms: i64, reaped_ms: i64) {
+        self.0.expiries.push(Expiry {
+            job_id: job,
+            generation: gen,
+            owner: format!("owner-w{w}"),
+            lease_until_us: us(until_ms),
+            reaped_at_us: us(reaped_ms),
+            reaped_by: "owner-w9".into(),
+        });
     }
 
     pub fn process_end(&mut self, w: usize, at_ms: i64, how: &str) {
