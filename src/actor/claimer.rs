@@ -74,6 +74,9 @@ pub(crate) struct Claimer {
     more_waiting: bool,
     /// The latest claim came back full: more is probably waiting.
     backlog: bool,
+    /// Jobs claimed ahead waited a lease without a free slot and were given back: claim
+    /// none ahead until a slot is free again.
+    ahead_paused: bool,
     meter: Arc<MailboxMeter>,
 }
 
@@ -102,6 +105,7 @@ impl Claimer {
             coalescing: false,
             more_waiting: true,
             backlog: false,
+            ahead_paused: false,
             meter,
         }
     }
@@ -127,12 +131,16 @@ impl Claimer {
             release_ready(&self.env, None, "released at shutdown");
             return;
         }
-        // Jobs that waited a lease for a slot go back to the queue for others.
-        release_ready(
+        // Jobs that waited a lease for a slot go back to the queue for others; and this
+        // scheduler claims nothing ahead until a slot frees, or it would take them again.
+        let given_back = release_ready(
             &self.env,
             Some(self.env.config.lease),
             "waited a lease for a slot; given back",
         );
+        if given_back > 0 {
+            self.ahead_paused = true;
+        }
         start_ready(&self.env);
         let cfg = &self.env.config;
         let free = self.env.slots.free();
@@ -184,7 +192,12 @@ impl Claimer {
         // Free slots first; then jobs to wait here for the next ones, topped up in
         // half-queue steps so a busy scheduler claims in batches.
         let slots = self.env.slots.take(cfg.claim_batch_max);
-        let ahead = if slots > 0 || ahead_room * 2 >= cfg.claim_ahead.max(1) {
+        if slots > 0 {
+            self.ahead_paused = false;
+        }
+        let ahead = if self.ahead_paused {
+            0
+        } else if slots > 0 || ahead_room * 2 >= cfg.claim_ahead.max(1) {
             ahead_room.min(cfg.claim_batch_max - slots)
         } else {
             0

@@ -101,7 +101,12 @@ pub(crate) fn dispatch(env: &Arc<Env>, ctx: JobContext) {
 
 /// Give back waiting jobs: all of them (`older_than` None: shutdown), or those that
 /// waited longer than `older_than`. Released, not failed: the attempt is not counted.
-pub(crate) fn release_ready(env: &Arc<Env>, older_than: Option<Duration>, reason: &'static str) {
+/// Returns how many.
+pub(crate) fn release_ready(
+    env: &Arc<Env>,
+    older_than: Option<Duration>,
+    reason: &'static str,
+) -> usize {
     let jobs: Vec<JobContext> = {
         let mut ready = env.ready.lock();
         match older_than {
@@ -121,9 +126,10 @@ pub(crate) fn release_ready(env: &Arc<Env>, older_than: Option<Duration>, reason
         }
     };
     if jobs.is_empty() {
-        return;
+        return 0;
     }
-    env.metrics.ready.fetch_sub(jobs.len() as u64, SeqCst);
+    let n = jobs.len();
+    env.metrics.ready.fetch_sub(n as u64, SeqCst);
     let env = env.clone();
     actix::spawn(async move {
         let held: Vec<_> = jobs.iter().map(|j| (j.job_id(), j.generation())).collect();
@@ -140,4 +146,5 @@ pub(crate) fn release_ready(env: &Arc<Env>, older_than: Option<Duration>, reason
         unhold(&env, jobs.len());
         env.wake_claimer();
     });
+    n
 }
