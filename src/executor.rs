@@ -191,7 +191,16 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
             permanent: true,
         });
     };
-    let mut task = tokio::spawn(handler.call(ctx.clone(), job.payload.clone()));
+    // The task checks the lease again when it first runs: the process may have been
+    // stopped (SIGSTOP, a paused VM) between the check before it and now.
+    let gate = ctx.clone();
+    let call = handler.call(ctx.clone(), job.payload.clone());
+    let mut task = tokio::spawn(async move {
+        if !gate.lease_live() {
+            return Err(AttemptError::NotStarted);
+        }
+        call.await
+    });
     let token = ctx.token();
     let run_deadline = tokio::time::sleep(env.config.max_run_time);
     tokio::pin!(run_deadline);
@@ -289,6 +298,10 @@ fn attempt_from(env: &Env, joined: Joined) -> Attempt {
                 reason,
                 permanent: true,
             })
+        }
+        Ok(Err(AttemptError::NotStarted)) => {
+            env.metrics.incr(|c| &c.not_started);
+            Attempt::Release("lease not confirmed before the handler could start")
         }
         Ok(Err(AttemptError::Job(e))) => Attempt::Failed(Failure {
             reason: e.message().to_string(),

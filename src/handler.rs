@@ -103,6 +103,9 @@ pub(crate) trait ErasedHandler: Send + Sync {
 pub(crate) enum AttemptError {
     Decode(String),
     Job(JobError),
+    /// The handler's task found its lease unconfirmed when it first ran (its process
+    /// was stopped in between, say): it did not call the handler.
+    NotStarted,
 }
 
 struct Erased<H>(Arc<H>);
