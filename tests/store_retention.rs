@@ -88,16 +88,16 @@ async fn prune_keeps_a_dead_head_whose_key_then_runs_on_in_order_after_retry() {
         complete(&db, &plain).await;
 
         let report = db.store.prune(Duration::ZERO, 100).await.unwrap();
-        assert_eq!((report.jobs, report.keys), (1, 0), "{report:?}");
-        assert!(matches!(
-            db.store.job(plain.id).await,
-            Err(Error::JobNotFound(_))
-        ));
         let dead = db
             .store
             .job(ids[0])
             .await
             .expect("retention must keep a dead job (the dead-letter queue)");
+        assert_eq!((report.jobs, report.keys), (1, 0), "{report:?}");
+        assert!(matches!(
+            db.store.job(plain.id).await,
+            Err(Error::JobNotFound(_))
+        ));
         assert_eq!(
             (dead.state, dead.last_error.as_deref()),
             (JobState::Dead, Some("boom"))
@@ -218,13 +218,12 @@ async fn prune_never_deletes_a_dead_job_that_an_operator_is_retrying_right_now()
             .unwrap();
         within(10, "the retry", retry).await.unwrap().unwrap();
         let report = within(10, "prune", prune).await.unwrap().unwrap();
-        assert_eq!(report.jobs, 0, "{report:?}");
-
         let rec = db
             .store
             .job(id)
             .await
             .expect("prune deleted a job an operator had just retried");
+        assert_eq!(report.jobs, 0, "{report:?}");
         assert_eq!((rec.state, rec.attempts), (JobState::Pending, 0));
         let ran = run_all(&db, &w).await;
         assert_eq!(ran.iter().map(|j| j.id).collect::<Vec<_>>(), vec![id]);
@@ -334,7 +333,6 @@ async fn prune_never_deletes_a_key_row_while_a_job_of_the_key_exists() {
         assert_eq!(state(&db, waiting).await, JobState::Waiting);
 
         let report = db.store.prune(HOUR, 100).await.unwrap();
-        assert_eq!((report.jobs, report.keys), (0, 0), "{report:?}");
         for key in ["done", "dead", "busy"] {
             assert_eq!(
                 key_rows(&db, key).await,
@@ -342,6 +340,7 @@ async fn prune_never_deletes_a_key_row_while_a_job_of_the_key_exists() {
                 "the key row of {key:?} was pruned while a job of the key exists"
             );
         }
+        assert_eq!((report.jobs, report.keys), (0, 0), "{report:?}");
 
         // The keys go on where they left off.
         complete(&db, &running).await;
@@ -455,14 +454,14 @@ async fn effect_ledger_keeps_outcomes_of_jobs_that_may_run_again_past_keep_until
         assert!(matches!(failed, FailOutcome::Retrying { .. }));
 
         let report = db.store.prune(HOUR, 100).await.unwrap();
-        assert_eq!((report.jobs, report.effects), (0, 1), "{report:?}");
-        assert!(db.store.effect("done/charge").await.unwrap().is_none());
         for key in ["dead/charge", "retrying/charge"] {
             assert!(
                 db.store.effect(key).await.unwrap().is_some(),
                 "{key} was pruned although its job may run again"
             );
         }
+        assert!(db.store.effect("done/charge").await.unwrap().is_none());
+        assert_eq!((report.jobs, report.effects), (0, 1), "{report:?}");
 
         // The retried attempts find what the earlier ones did, and do not act again.
         db.store.retry_dead(dead).await.unwrap();
