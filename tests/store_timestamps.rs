@@ -153,7 +153,7 @@ fn a_successor_claimed_by_a_completion_that_waited_for_its_key_is_not_born_expir
         sqlx::query("BEGIN").execute(&mut host).await.unwrap();
         let late = db.store.enqueue_in(&mut host, quick(3)).await.unwrap();
 
-        let lease = Duration::from_secs(1);
+        let lease = Duration::from_secs(2);
         let mut config = config_with_lease(&db.schema, lease);
         // A completion claims its key's successor only while a slot is spare; a claim in
         // flight takes at most `claim_batch_max` slots, so with more than that there
@@ -181,8 +181,8 @@ fn a_successor_claimed_by_a_completion_that_waited_for_its_key_is_not_born_expir
             },
         )
         .await;
-        // Longer than a lease.
-        tokio::time::sleep(2 * lease).await;
+        // Longer than a lease (the head's own lease is renewed meanwhile).
+        tokio::time::sleep(lease + Duration::from_secs(1)).await;
         let released = clock(&mut host).await;
         sqlx::query("COMMIT").execute(&mut host).await.unwrap();
 
