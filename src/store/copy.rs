@@ -9,9 +9,10 @@
 //! commit.
 //!
 //! Keyed jobs are refused: a key needs its `key_seq` under the key row's lock, which
-//! only the `enqueue_many` statement takes. Run-at and delay use the database clock:
-//! `now()` is the transaction's start time, read once and added to each delay, exactly
-//! what the enqueue statement computes.
+//! only the `enqueue_many` statement takes. Times use the database clock, read once per
+//! load with `statement_timestamp()` just before the COPY (not `now()`, which inside a
+//! caller's longer transaction is that transaction's start): it is each job's
+//! `created_at` and the base of its delay, exactly what the enqueue statement computes.
 
 use std::io::Write;
 
@@ -22,16 +23,11 @@ use super::Store;
 use crate::error::{Error, Result};
 use crate::job::{DeadKeyPolicy, NewJob};
 
-const COLUMNS: &str =
-    "queue, kind, priority, state, payload, payload_bytes, max_attempts, dead_blocks_key";
+const COLUMNS: &str = "queue, kind, priority, state, payload, payload_bytes, max_attempts, \
+     dead_blocks_key, available_at, created_at";
 
-pub(super) fn copy_statement(with_available_at: bool) -> String {
-    let extra = if with_available_at {
-        ", available_at"
-    } else {
-        ""
-    };
-    format!("/* leasehold:enqueue_copy */ COPY {{s}}.jobs ({COLUMNS}{extra}) FROM STDIN")
+pub(super) fn copy_statement() -> String {
+    format!("/* leasehold:enqueue_copy */ COPY {{s}}.jobs ({COLUMNS}) FROM STDIN")
 }
 
 pub(super) const COPY_NOTIFY: &str = r#"/* leasehold:enqueue_copy_notify */
@@ -81,23 +77,13 @@ impl Store {
                     .into(),
             });
         }
-        let timed = jobs.iter().any(|j| j.run_at.is_some() || j.delay.is_some());
-        let statement = if timed {
-            &self.sql().enqueue_copy_at
-        } else {
-            &self.sql().enqueue_copy
-        };
+        let statement = &self.sql().enqueue_copy;
 
         let mut tx = conn.begin().await?;
-        let now: Option<DateTime<Utc>> = if timed {
-            Some(
-                sqlx::query_scalar("SELECT now()")
-                    .fetch_one(&mut *tx)
-                    .await?,
-            )
-        } else {
-            None
-        };
+        // The column defaults would say `now()`: the caller's transaction start.
+        let now: DateTime<Utc> = sqlx::query_scalar("SELECT statement_timestamp()")
+            .fetch_one(&mut *tx)
+            .await?;
         let mut queues: Vec<&str> = Vec::new();
         let mut copy = tx.copy_in_raw(statement).await?;
         let mut buf: Vec<u8> = Vec::with_capacity(CHUNK_BYTES + 4096);
@@ -131,29 +117,25 @@ impl Store {
         Ok(written)
     }
 
-    /// Check one job and append its COPY line to `buf`. `now`: the transaction's time,
-    /// when the load has an `available_at` column.
+    /// Check one job and append its COPY line to `buf`. `now`: the load's time.
     fn copy_row(
         &self,
         job: &NewJob,
-        now: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
         encoded: &mut Vec<u8>,
         buf: &mut Vec<u8>,
     ) -> Result<()> {
         let max_attempts = self.check_job(job, encoded)?;
-        let available_at = match (now, job.run_at, job.delay) {
-            (None, _, _) => None,
-            (Some(_), Some(at), _) => Some(at),
-            (Some(now), None, Some(delay)) => Some(
-                chrono::Duration::from_std(delay)
-                    .ok()
-                    .and_then(|d| now.checked_add_signed(d))
-                    .ok_or_else(|| Error::InvalidInput {
-                        field: "delay",
-                        reason: format!("{delay:?} is out of range"),
-                    })?,
-            ),
-            (Some(now), None, None) => Some(now),
+        let available_at = match (job.run_at, job.delay) {
+            (Some(at), _) => at,
+            (None, Some(delay)) => chrono::Duration::from_std(delay)
+                .ok()
+                .and_then(|d| now.checked_add_signed(d))
+                .ok_or_else(|| Error::InvalidInput {
+                    field: "delay",
+                    reason: format!("{delay:?} is out of range"),
+                })?,
+            (None, None) => now,
         };
         push_text(buf, job.queue_name().as_bytes());
         buf.push(b'\t');
@@ -167,7 +149,7 @@ impl Store {
             'f'
         };
         let _ = write!(buf, "\t{}\t{}\t{}", encoded.len(), max_attempts, blocks);
-        if let Some(at) = available_at {
+        for at in [available_at, now] {
             buf.push(b'\t');
             buf.extend_from_slice(at.to_rfc3339_opts(SecondsFormat::Micros, true).as_bytes());
         }

@@ -171,7 +171,6 @@ impl Store {
 pub(crate) struct Statements {
     pub enqueue: String,
     pub enqueue_copy: String,
-    pub enqueue_copy_at: String,
     pub enqueue_copy_notify: String,
     pub claim: String,
     pub claim_key: String,
@@ -199,8 +198,7 @@ impl Statements {
     fn render(s: &Schema) -> Self {
         Statements {
             enqueue: s.render(&slots(enqueue::ENQUEUE)),
-            enqueue_copy: s.render(&copy::copy_statement(false)),
-            enqueue_copy_at: s.render(&copy::copy_statement(true)),
+            enqueue_copy: s.render(&copy::copy_statement()),
             enqueue_copy_notify: s.render(copy::COPY_NOTIFY),
             claim: s.render(claim::CLAIM),
             claim_key: s.render(&claim::with_returned(claim::CLAIM_KEY)),
