@@ -6,14 +6,17 @@
 //!     cargo run --release --example bench -- --quick   # smaller sizes, a smoke run
 //!
 //! Other flags: `--runs N` (default 3; every figure is the median of N runs, printed
-//! with the spread), `--only ceiling,e2e,enqueue,latency,keyed,hot,growth,memory` (`micro`: a
-//! statement-cost diagnostic),
+//! with the spread), `--only ceiling,e2e,enqueue,latency,keyed,hot,growth,memory,peer`
+//! (`micro`: a statement-cost diagnostic; `peer`: graphile_worker, the fastest peer, with its
+//! documented throughput recipe, each figure right after leasehold's matching run — unkeyed
+//! at concurrency 1 and 32, keyed, idle latency — see `bench/peer.rs`),
 //! `--pool N` (connections of the scheduler's pool, default 24), `--history` (write the
 //! `claimed`/`completed` history events, `StoreOptions::full_history`).
 //!
 //! Needs a PostgreSQL on 127.0.0.1:5432 that lets the current user in (or
 //! DATABASE_URL). It connects to the `postgres` database, creates `leasehold_bench`,
-//! and works in the schema `bench` there, which it drops and recreates. `BENCH_DEBUG=1`
+//! and works in the schema `bench` there, which it drops and recreates (the peer: in
+//! `bench_graphile_worker`, dropped before each of its measurements). `BENCH_DEBUG=1`
 //! prints what each scheduler did (claims, batch sizes, process CPU).
 
 use std::time::Instant;
@@ -41,6 +44,8 @@ mod footprint;
 mod handlers;
 #[path = "bench/latency.rs"]
 mod latency;
+#[path = "bench/peer.rs"]
+mod peer;
 #[path = "bench/report.rs"]
 mod report;
 #[path = "bench/sections.rs"]
@@ -103,13 +108,13 @@ fn args() -> Args {
 }
 
 const HELP: &str = "usage: bench [--json] [--quick] [--runs N] [--pool N] [--history] \
-[--only ceiling,e2e,enqueue,latency,keyed,hot,growth,memory]";
+[--only ceiling,e2e,enqueue,latency,keyed,hot,growth,memory,peer]";
 
 #[actix::main]
 async fn main() {
     let a = args();
     tracing_subscriber::fmt()
-        .with_env_filter("leasehold=warn,sqlx=error")
+        .with_env_filter("leasehold=warn,sqlx=error,graphile_worker=warn")
         .with_writer(std::io::stderr)
         .init();
     if let Some(keys) = a.memory_child {
@@ -133,7 +138,11 @@ async fn main() {
         store,
         rows: Vec::new(),
         explains: Vec::new(),
+        peer: None,
     };
+    if want("peer") {
+        run.peer = Some(peer::Peer::new(&run.opts, a.pool));
+    }
     say!(
         "database {} schema {}, pool {} connections, {} runs per figure",
         setup::DB,
@@ -152,14 +161,18 @@ async fn main() {
     if want("enqueue") {
         run.enqueue().await;
     }
-    if want("latency") {
-        run.latency(unkeyed_32).await;
+    if want("latency") || want("peer") {
+        run.latency(unkeyed_32, want("latency")).await;
     }
-    if want("keyed") {
-        run.keyed().await;
+    if want("keyed") || want("peer") {
+        run.keyed(want("keyed")).await;
     }
     if want("keyed") || want("hot") {
         run.hot_key().await;
+    }
+    if let Some(p) = &run.peer {
+        let rows = p.rows();
+        run.rows.extend(rows);
     }
     if want("growth") {
         run.growth().await;
@@ -184,6 +197,7 @@ async fn main() {
             "runs": run.runs,
             "pool": a.pool,
             "full_history": a.history,
+            "peer": run.peer.as_ref().map(|p| p.describe()),
             "total_secs": total,
             "rows": report::rows_json(&run.rows),
             "explain": run
@@ -214,6 +228,23 @@ async fn main() {
          opens each section",
         a.pool, a.history
     );
+    if let Some(p) = &run.peer {
+        let d = p.describe();
+        println!(
+            "peer: graphile_worker {} (dev-dependency of the bench), its documented throughput \
+             recipe: local_queue size {} (ttl {} ms), complete/fail_job_batch_delay {} ms, \
+             poll_interval {} ms; its own pool of {} connections (its sqlx 0.9) and tokio \
+             multi-thread runtime; schema {}; loaded with {}",
+            d["version"].as_str().unwrap_or("?"),
+            d["local_queue"]["size"],
+            d["local_queue"]["ttl_ms"],
+            d["complete_job_batch_delay_ms"],
+            d["poll_interval_ms"],
+            d["pool_connections"],
+            d["schema"].as_str().unwrap_or("?"),
+            d["load"].as_str().unwrap_or("?"),
+        );
+    }
     println!();
     report::print_table(&run.rows);
     for (what, plan) in &run.explains {

@@ -4,6 +4,7 @@ use leasehold::Store;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::PgPool;
 
+use super::peer::{self, Peer};
 use super::report::{self, Goal, Row, Stat};
 use super::throughput::EnqueueWay;
 use super::{footprint, latency, setup, throughput};
@@ -81,11 +82,13 @@ pub struct Run {
     pub store: Store,
     pub rows: Vec<Row>,
     pub explains: Vec<(String, String)>,
+    /// graphile_worker, measured after each of leasehold's matching runs (`--only peer`).
+    pub peer: Option<Peer>,
 }
 
 /// Median of the per-run ratios `num[r] / den[r]`: each pair ran back to back, so a
 /// slow spell on this shared machine slows both sides of a ratio.
-fn paired_ratio(num: &[f64], den: &[f64]) -> f64 {
+pub fn paired_ratio(num: &[f64], den: &[f64]) -> f64 {
     Stat::of(num.iter().zip(den).map(|(a, b)| a / b).collect()).median()
 }
 
@@ -98,10 +101,13 @@ impl Run {
         }
     }
 
-    /// The raw-SQL ceiling and leasehold end to end, interleaved run by run. Returns the
-    /// median no-op throughput at concurrency 32 (NaN when not measured).
+    /// The raw-SQL ceiling and leasehold end to end, interleaved run by run; with the
+    /// peer, graphile_worker right after leasehold at its concurrencies (leasehold's runs
+    /// at those are made for the pairs even without `e2e`). Returns the median no-op
+    /// throughput at concurrency 32 (NaN when not measured).
     pub async fn ceiling_and_e2e(&mut self, ceiling: bool, e2e: bool) -> f64 {
-        if !ceiling && !e2e {
+        let with_peer = self.peer.is_some();
+        if !ceiling && !e2e && !with_peer {
             return f64::NAN;
         }
         let (runs, pool_conns) = (self.runs, self.pool_conns);
@@ -125,15 +131,32 @@ impl Run {
                     ceilings[i].push(x);
                 }
             }
-            if e2e {
-                for (i, &(c, n)) in self.sizes.e2e.iter().enumerate() {
-                    let x = throughput::throughput(&self.store, c, n, self.history).await;
+            for (i, &(c, n)) in self.sizes.e2e.iter().enumerate() {
+                let paired = with_peer && peer::CONCURRENCIES.contains(&c);
+                if !e2e && !paired {
+                    continue;
+                }
+                let x = throughput::throughput(&self.store, c, n, self.history).await;
+                say!(
+                    "run {}/{runs}: leasehold no-op, concurrency {c}: {} jobs/s",
+                    r + 1,
+                    report::num(x)
+                );
+                tput[i].push(x);
+                if let Some(p) = self.peer.as_mut().filter(|_| paired) {
+                    let g = p.drain(c, n, None).await;
                     say!(
-                        "run {}/{runs}: leasehold no-op, concurrency {c}: {} jobs/s",
+                        "run {}/{runs}: graphile_worker no-op, concurrency {c}: {} jobs/s",
                         r + 1,
-                        report::num(x)
+                        report::num(g)
                     );
-                    tput[i].push(x);
+                    p.record(
+                        format!("unkeyed, concurrency {c} ({n} jobs)"),
+                        "jobs/s",
+                        true,
+                        x,
+                        g,
+                    );
                 }
             }
         }
@@ -142,6 +165,9 @@ impl Run {
             .position(|&c| c == pool_conns)
             .map(|i| ceilings[i].clone())
             .filter(|v| !v.is_empty());
+        if let (Some(p), Some(den)) = (self.peer.as_mut(), &at_pool) {
+            p.ceiling = Some((pool_conns, den.clone()));
+        }
         if ceiling {
             for (i, &c) in conns.iter().enumerate() {
                 self.rows.push(Row::new(
@@ -157,12 +183,12 @@ impl Run {
             }
         }
         let mut unkeyed_32 = f64::NAN;
+        if let Some(i) = self.sizes.e2e.iter().position(|&(c, _)| c == 32) {
+            unkeyed_32 = Stat::of(tput[i].clone()).median();
+        }
         if e2e {
             for (i, &(c, n)) in self.sizes.e2e.iter().enumerate() {
                 let st = Stat::of(tput[i].clone());
-                if c == 32 {
-                    unkeyed_32 = st.median();
-                }
                 let mut row = Row::new(
                     "leasehold end to end, no-op handlers",
                     format!("concurrency {c} ({n} jobs)"),
@@ -235,8 +261,10 @@ impl Run {
     }
 
     /// Enqueue-to-start latency at a fixed offered rate: an idle queue, and half the
-    /// measured maximum (`unkeyed_32`, or 2,000/s when e2e did not run).
-    pub async fn latency(&mut self, unkeyed_32: f64) {
+    /// measured maximum (`unkeyed_32`, or 2,000/s when e2e did not run). With the peer,
+    /// graphile_worker's idle latency after each idle run; without `rows`, only the idle
+    /// runs the peer is paired with, and no latency rows of their own.
+    pub async fn latency(&mut self, unkeyed_32: f64, rows: bool) {
         let runs = self.runs;
         let half = if unkeyed_32.is_finite() {
             (unkeyed_32 / 2.0).round()
@@ -244,21 +272,35 @@ impl Run {
             2000.0
         };
         let section = "enqueue-to-start latency (enqueue call → handler start; concurrency 32)";
+        let secs = self.sizes.latency_secs;
         for (label, rate, goal) in [
             ("idle queue", self.sizes.idle_rate, Some(Goal::AtMost(5.0))),
             ("half the measured maximum", half, None),
         ] {
+            let idle = goal.is_some();
+            if !rows && !idle {
+                continue;
+            }
             let (mut p50, mut p99, mut db) = (Vec::new(), Vec::new(), Vec::new());
             setup::checkpoint(&self.store).await;
             for r in 0..runs {
-                let l =
-                    latency::latency(&self.store, 32, rate, self.sizes.latency_secs, self.history)
-                        .await;
+                let l = latency::latency(&self.store, 32, rate, secs, self.history).await;
                 say!("run {}/{runs}: latency, {label} ({rate}/s offered, {:.0}/s sent, {} jobs): p50 {:.2} ms p99 {:.2} ms (db clock p50 {:.2} ms)",
                     r + 1, l.offered, l.samples, l.p50, l.p99, l.db_p50);
                 p50.push(l.p50);
                 p99.push(l.p99);
                 db.push(l.db_p50);
+                if let Some(p) = self.peer.as_mut().filter(|_| idle) {
+                    let g = p.latency(32, rate, secs).await;
+                    say!("run {}/{runs}: graphile_worker latency, {label} ({rate}/s offered, {:.0}/s sent, {} jobs): p50 {:.2} ms p99 {:.2} ms",
+                        r + 1, g.offered, g.samples, g.p50, g.p99);
+                    let name = format!("enqueue → start, idle queue at {rate}/s, concurrency 32");
+                    p.record(format!("{name}: p50"), "ms", false, l.p50, g.p50);
+                    p.record(format!("{name}: p99"), "ms", false, l.p99, g.p99);
+                }
+            }
+            if !rows {
+                continue;
             }
             let mut row = Row::new(
                 section,
@@ -285,23 +327,44 @@ impl Run {
         }
     }
 
-    /// Many keys, each run right after an unkeyed run of the same size.
-    pub async fn keyed(&mut self) {
+    /// Many keys, each run right after an unkeyed run of the same size; with the peer,
+    /// graphile_worker's named queues (one per key) after each keyed run. Without `rows`,
+    /// only the keyed runs the peer is paired with, and no keyed rows of their own.
+    pub async fn keyed(&mut self, rows: bool) {
         let (runs, keys, per_key) = (self.runs, self.sizes.keys, self.sizes.per_key);
         let n = keys * per_key;
         let (mut plain, mut keyed) = (Vec::new(), Vec::new());
         setup::checkpoint(&self.store).await;
         for r in 0..runs {
-            let u = throughput::throughput(&self.store, 32, n, self.history).await;
+            if rows {
+                plain.push(throughput::throughput(&self.store, 32, n, self.history).await);
+            }
             let k = throughput::keyed(&self.store, keys, per_key, 32, self.history).await;
             say!(
                 "run {}/{runs}: unkeyed {} jobs/s, {keys} keys x {per_key} {} jobs/s",
                 r + 1,
-                report::num(u),
+                plain.last().map_or("-".into(), |u| report::num(*u)),
                 report::num(k)
             );
-            plain.push(u);
             keyed.push(k);
+            if let Some(p) = self.peer.as_mut() {
+                let g = p.drain(32, n, Some((keys, per_key))).await;
+                say!(
+                    "run {}/{runs}: graphile_worker, {keys} named queues x {per_key}: {} jobs/s",
+                    r + 1,
+                    report::num(g)
+                );
+                p.record(
+                    format!("keyed, concurrency 32: {keys} keys (named queues) x {per_key} jobs"),
+                    "jobs/s",
+                    false,
+                    k,
+                    g,
+                );
+            }
+        }
+        if !rows {
+            return;
         }
         let section = "keyed work (concurrency 32)";
         self.rows.push(
