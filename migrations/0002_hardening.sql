@@ -20,3 +20,14 @@ INSERT INTO __SCHEMA__.key_floors (slot) SELECT generate_series(0, 63);
 COMMENT ON TABLE  __SCHEMA__.key_floors IS 'Where a re-created key row starts its key_seq: retention deletes a key row only when no job of the key is left, and raises its slot''s floor to that row''s next_seq first, so key_seq (and the per-key fencing token built on it) never goes backwards for a key. 64 slots by hash of (queue, key), so enqueues of different keys rarely share one.';
 COMMENT ON COLUMN __SCHEMA__.key_floors.slot IS 'hashtext(queue || ''/'' || job_key) & 63 (a collision only means two keys share a floor); see src/store/keys.rs.';
 COMMENT ON COLUMN __SCHEMA__.key_floors.floor IS 'At least the next_seq of every key row of this slot that retention deleted. A new key row starts at floor + 1.';
+
+-- Repair what version 1's retention did: it deleted key rows with no open job while jobs
+-- of the key remained, so a key could come back at key_seq 1, below its own jobs, and a
+-- dead job of the Continue policy could not be retried. Every key with a job gets its
+-- row back, never below its jobs' key_seq.
+INSERT INTO __SCHEMA__.job_keys (queue, job_key, next_seq, open_jobs)
+SELECT queue, job_key, max(key_seq), 0
+FROM __SCHEMA__.jobs WHERE job_key IS NOT NULL
+GROUP BY queue, job_key
+ON CONFLICT (queue, job_key) DO UPDATE
+    SET next_seq = greatest(__SCHEMA__.job_keys.next_seq, excluded.next_seq);

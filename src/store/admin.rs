@@ -463,6 +463,9 @@ WITH slots AS MATERIALIZED (
 ), gone AS (
     DELETE FROM {s}.job_keys jk USING cand
     WHERE jk.queue = cand.queue AND jk.job_key = cand.job_key AND jk.open_jobs = 0
+      -- Again under the row's lock: a job of the key may have been enqueued and ended
+      -- since this statement's snapshot.
+      AND NOT EXISTS (SELECT 1 FROM {s}.jobs j WHERE j.queue = jk.queue AND j.job_key = jk.job_key)
     RETURNING __SLOT_JK__ AS slot, jk.next_seq
 ), raised AS (
     UPDATE {s}.key_floors f SET floor = greatest(f.floor, g.top)
