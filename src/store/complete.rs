@@ -16,12 +16,13 @@
 //! host's open transaction.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sqlx::{Acquire, PgConnection, Row};
 
+use super::claim::claimed_from_row;
 use super::keys::{Chain, KeyRef};
-use super::Store;
+use super::{secs, Store};
 use crate::error::Result;
 use crate::job::{ClaimedJob, CompleteOutcome, Fence, Generation, JobId, OwnerId};
 
@@ -44,30 +45,11 @@ WITH kl AS MATERIALIZED (
 )
 SELECT id, queue, job_key FROM u"#;
 
-/// Complete a batch whose key rows the transaction already holds, and leave the
-/// completed heads' keys (the first half of [`super::Store::end_heads`]); the promotion
-/// follows in the same transaction, with a fresh snapshot.
-pub(super) const COMPLETE_MANY: &str = r#"/* leasehold:complete_many */
-WITH c AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[]) AS t(id, generation, result)
-), u AS (
-    UPDATE {s}.jobs j
-    SET state = 'done', result = c.result, finished_at = clock_timestamp(), lease_until = NULL
-    FROM c
-    WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation AND j.state = 'running'
-    RETURNING j.id, j.generation, j.queue, j.job_key
-), ev AS (
-    INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
-    SELECT id, generation, 'completed', $4, clock_timestamp() FROM u WHERE $5
-), k AS (
-    UPDATE {s}.job_keys jk
-    SET open_jobs = jk.open_jobs - d.n
-    FROM (SELECT queue, job_key, count(*) AS n
-            FROM u WHERE job_key IS NOT NULL
-           GROUP BY queue, job_key) d
-    WHERE jk.queue = d.queue AND jk.job_key = d.job_key
-)
-SELECT id, generation, queue, job_key FROM u"#;
+/// Keyed completions: one call of the schema's `complete_keyed` function (see
+/// migrations/0003_claim.sql), instead of five round trips (begin, lock the keys, complete,
+/// promote, commit).
+pub(super) const COMPLETE_KEYED: &str = r#"/* leasehold:complete_keyed */
+SELECT * FROM {s}.complete_keyed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"#;
 
 pub(super) const COMPLETE_UNKEYED: &str = r#"/* leasehold:complete_unkeyed */
 WITH c AS (
@@ -239,67 +221,60 @@ impl Store {
             return Ok(Vec::new());
         }
         let mut conn = self.pool().acquire().await?;
-        let mut tx = conn.begin().await?;
-        let (queues, names): (Vec<&str>, Vec<&str>) = batch
-            .iter()
-            .map(|k| (k.key.0.as_str(), k.key.1.as_str()))
-            .unzip();
-        let lock = if wait {
-            &self.sql().lock_keys_wait
-        } else {
-            &self.sql().lock_keys
-        };
-        let locked: HashSet<KeyRef> = sqlx::query_as(lock)
-            .bind(&queues)
-            .bind(&names)
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
-        let now: Vec<&KeyedItem> = batch.iter().filter(|k| locked.contains(&k.key)).collect();
-        let ids: Vec<i64> = now.iter().map(|k| k.item.0 .0).collect();
-        let gens: Vec<i64> = now.iter().map(|k| k.item.1 .0).collect();
+        let sent = Instant::now();
+        let col = |f: fn(&KeyedItem) -> &str| batch.iter().map(f).collect::<Vec<&str>>();
+        let ids: Vec<i64> = batch.iter().map(|k| k.item.0 .0).collect();
+        let gens: Vec<i64> = batch.iter().map(|k| k.item.1 .0).collect();
         let results: Vec<Option<serde_json::Value>> =
-            now.iter().map(|k| k.item.2.clone()).collect();
-        let rows = sqlx::query(&self.sql().complete_many)
+            batch.iter().map(|k| k.item.2.clone()).collect();
+        let chain_wanted: Vec<bool> = batch.iter().map(|k| k.chain && chain.is_some()).collect();
+        let rows = sqlx::query(&self.sql().complete_keyed)
             .bind(&ids)
             .bind(&gens)
             .bind(&results)
+            .bind(col(|k| k.key.0.as_str()))
+            .bind(col(|k| k.key.1.as_str()))
+            .bind(&chain_wanted)
+            .bind(wait)
             .bind(owner.as_str())
+            .bind(chain.map(|c| c.kinds))
+            .bind(chain.map(|c| secs(c.lease)).unwrap_or(0.0))
             .bind(self.options().full_history)
-            .fetch_all(&mut *tx)
+            .bind(self.schema().channel())
+            .fetch_all(&mut *conn)
             .await?;
-        let mut done: HashSet<(i64, i64)> = HashSet::with_capacity(rows.len());
-        let mut heads: Vec<KeyRef> = Vec::new();
-        let mut wanted: Vec<bool> = Vec::new();
-        let chain_by_id: HashMap<(i64, i64), bool> = now
-            .iter()
-            .map(|k| ((k.item.0 .0, k.item.1 .0), k.chain))
-            .collect();
-        for row in &rows {
-            let id: (i64, i64) = (row.try_get("id")?, row.try_get("generation")?);
-            done.insert(id);
-            if let Some(key) = row.try_get::<Option<String>, _>("job_key")? {
-                heads.push((row.try_get("queue")?, key));
-                wanted.push(chain_by_id.get(&id).copied().unwrap_or(false));
-            }
-        }
-        let promote_sent = Instant::now();
-        let successors = self
-            .promote_chained(&mut tx, &heads, &wanted, chain)
-            .await?;
-        tx.commit().await?;
+        let mut busy: HashSet<(i64, i64)> = HashSet::new();
+        let mut done: HashSet<(i64, i64)> = HashSet::new();
         // Each successor belongs to the item that ended its key's head.
         let mut next: HashMap<KeyRef, (ClaimedJob, Instant)> = HashMap::new();
-        for job in successors {
-            if let Some(key) = job.key.clone() {
-                next.insert((job.queue.clone(), key), (job, promote_sent));
+        for row in &rows {
+            let id: (i64, i64) = (row.try_get("id")?, row.try_get("generation")?);
+            match row.try_get::<String, _>("row_kind")?.as_str() {
+                "busy" => {
+                    busy.insert(id);
+                }
+                "done" => {
+                    done.insert(id);
+                }
+                _ => {
+                    let (Some(chain), Some(key)) =
+                        (chain, row.try_get::<Option<String>, _>("job_key")?)
+                    else {
+                        continue;
+                    };
+                    let after: f64 = row
+                        .try_get::<Option<f64>, _>("claimed_after_secs")?
+                        .unwrap_or(0.0);
+                    let leased_from = sent + Duration::from_secs_f64(after.max(0.0));
+                    let job = claimed_from_row(row, chain.owner)?;
+                    next.insert((job.queue.clone(), key), (job, leased_from));
+                }
             }
         }
-        let missing: Vec<(JobId, Generation)> = now
+        let missing: Vec<(JobId, Generation)> = batch
             .iter()
-            .filter(|k| !done.contains(&(k.item.0 .0, k.item.1 .0)))
             .map(|k| (k.item.0, k.item.1))
+            .filter(|(i, g)| !busy.contains(&(i.0, g.0)) && !done.contains(&(i.0, g.0)))
             .collect();
         let mut back = if missing.is_empty() {
             HashMap::new()
@@ -310,9 +285,10 @@ impl Store {
             .iter()
             .map(|k| {
                 let id = (k.item.0, k.item.1);
-                if !locked.contains(&k.key) {
+                let raw = (id.0 .0, id.1 .0);
+                if busy.contains(&raw) {
                     (None, None)
-                } else if done.contains(&(id.0 .0, id.1 .0)) {
+                } else if done.contains(&raw) {
                     (Some(CompleteOutcome::Completed), next.remove(&k.key))
                 } else {
                     (

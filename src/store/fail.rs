@@ -52,17 +52,19 @@ WITH t AS MATERIALIZED (
 SELECT * FROM u"#;
 
 /// Release for shutdown. A job an operator asked to cancel is not put back: it is
-/// cancelled, and its key moves on (its key row locked first).
+/// cancelled, and its key moves on (its key row locked first, `SKIP LOCKED`: a release
+/// never waits, since the jobs it would hold meanwhile could not be renewed; a job whose
+/// key row is busy is left as it is, and its expiry cancels it).
 pub(super) const RELEASE: &str = r#"/* leasehold:release */
 WITH c AS (
     SELECT * FROM unnest($1::int8[], $2::int8[]) AS t(id, generation)
 ), kl AS MATERIALIZED (
-    SELECT 1 FROM {s}.job_keys jk
+    SELECT jk.queue, jk.job_key FROM {s}.job_keys jk
     JOIN (SELECT DISTINCT j0.queue, j0.job_key FROM {s}.jobs j0 JOIN c ON j0.id = c.id
            WHERE j0.cancel_requested_at IS NOT NULL AND j0.job_key IS NOT NULL) d
       ON jk.queue = d.queue AND jk.job_key = d.job_key
     ORDER BY jk.queue, jk.job_key
-    FOR UPDATE OF jk
+    FOR UPDATE OF jk SKIP LOCKED
 ), u AS (
     UPDATE {s}.jobs j
     SET state = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'pending' END,
@@ -72,6 +74,8 @@ WITH c AS (
     FROM c
     WHERE j.id = c.id AND j.generation = c.generation AND j.owner = $3 AND j.state = 'running'
       AND (SELECT count(*) FROM kl) >= 0
+      AND (j.cancel_requested_at IS NULL OR j.job_key IS NULL
+           OR EXISTS (SELECT 1 FROM kl WHERE kl.queue = j.queue AND kl.job_key = j.job_key))
     RETURNING j.id, j.generation, j.queue, j.job_key, j.state
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)

@@ -48,64 +48,10 @@ pub(super) const KEY_SLOT: &str = "(hashtext(queue || '/' || job_key) & 63)";
 /// [`KEY_SLOT`] of a row aliased `jk`.
 pub(super) const KEY_SLOT_JK: &str = "(hashtext(jk.queue || '/' || jk.job_key) & 63)";
 
-/// Lock key rows in (queue, key) order before a keyed completion touches its job rows:
-/// the order enqueue, promotion and operator actions take them in. `$3`: skip rows
-/// another transaction holds (a host transaction that enqueued into the key and is
-/// still open) instead of waiting, so one busy key does not hold up the batch; the
-/// completer writes those keys' completions in a transaction of their own.
-pub(super) const LOCK_KEYS: &str = r#"/* leasehold:lock_keys */
-SELECT jk.queue, jk.job_key
-FROM {s}.job_keys jk
-JOIN (SELECT DISTINCT queue, job_key FROM unnest($1::text[], $2::text[]) AS t(queue, job_key)) d
-  ON jk.queue = d.queue AND jk.job_key = d.job_key
-ORDER BY jk.queue, jk.job_key
-FOR UPDATE OF jk SKIP LOCKED"#;
-
-/// [`LOCK_KEYS`], waiting for each row.
-pub(super) const LOCK_KEYS_WAIT: &str = r#"/* leasehold:lock_keys_wait */
-SELECT jk.queue, jk.job_key
-FROM {s}.job_keys jk
-JOIN (SELECT DISTINCT queue, job_key FROM unnest($1::text[], $2::text[]) AS t(queue, job_key)) d
-  ON jk.queue = d.queue AND jk.job_key = d.job_key
-ORDER BY jk.queue, jk.job_key
-FOR UPDATE OF jk"#;
-
+/// The schema's `promote` function (migrations/0003_claim.sql), also called by keyed
+/// completions inside `complete_keyed`: one implementation of succession.
 pub(super) const PROMOTE: &str = r#"/* leasehold:promote */
-WITH nxt AS (
-    SELECT w.id, w.available_at, w.kind, t.chain
-    FROM (SELECT queue, job_key, bool_or(chain) AS chain
-            FROM unnest($1::text[], $2::text[], $5::bool[]) AS t(queue, job_key, chain)
-           GROUP BY queue, job_key) t
-    CROSS JOIN LATERAL (
-        SELECT id, available_at, kind FROM {s}.jobs
-        WHERE queue = t.queue AND job_key = t.job_key AND state = 'waiting'
-        ORDER BY key_seq
-        LIMIT 1
-    ) w
-), c AS (
-    SELECT id, coalesce(chain AND available_at <= clock_timestamp() AND kind = ANY($7), false) AS taken
-    FROM nxt
-), u AS (
-    UPDATE {s}.jobs j
-    SET state = CASE WHEN c.taken THEN 'running' ELSE 'pending' END,
-        available_at = greatest(j.available_at, clock_timestamp()),
-        owner = CASE WHEN c.taken THEN $6 ELSE j.owner END,
-        generation = j.generation + CASE WHEN c.taken THEN 1 ELSE 0 END,
-        attempts = j.attempts + CASE WHEN c.taken THEN 1 ELSE 0 END,
-        claimed_at = CASE WHEN c.taken THEN clock_timestamp() ELSE j.claimed_at END,
-        lease_until = CASE WHEN c.taken THEN clock_timestamp() + make_interval(secs => $8) END
-    FROM c WHERE j.id = c.id AND j.state = 'waiting'
-    RETURNING __RETURNED__, c.taken
-), ev AS (
-    INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
-    SELECT id, generation - taken::int, 'promoted', NULL, clock_timestamp() FROM u WHERE $3
-    UNION ALL
-    SELECT id, generation, 'claimed', $6, claimed_at FROM u WHERE $3 AND taken
-)
-SELECT j.*,
-       (SELECT count(pg_notify($4, left(q.queue, 1000)))
-          FROM (SELECT DISTINCT queue FROM u WHERE NOT taken) q) AS notified
-FROM u j"#;
+SELECT * FROM {s}.promote($1, $2, $5, $6, $7, $8, $3, $4)"#;
 
 /// Claim the promoted successors too, for the scheduler whose sequencers wait for them.
 pub(crate) struct Chain<'a> {

@@ -123,6 +123,24 @@ pub fn attempts(c: &Input) -> Vec<Attempt> {
             a.end = End::ProcessEnded(how.to_string());
         }
     }
+    // A handler that completes the job inside its own transaction (`complete_in`) ends
+    // its attempt when that transaction commits: the key moves on then, by design, and
+    // what the handler runs after its commit is outside the attempt. The completion's
+    // event time (database clock, just before the commit) bounds the end.
+    let completed: HashMap<(i64, i64), i64> = c
+        .events
+        .iter()
+        .filter(|e| e.event == "completed")
+        .map(|e| ((e.job_id, e.generation), e.at_us))
+        .collect();
+    for a in out.iter_mut() {
+        if let Some(at) = completed.get(&(a.job, a.gen)) {
+            if *at < a.end_us && *at >= a.start_us {
+                a.end_mono -= (a.end_us - at) * 1000;
+                a.end_us = *at;
+            }
+        }
+    }
     out
 }
 

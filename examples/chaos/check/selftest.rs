@@ -23,6 +23,22 @@ fn key_overlap() -> Result<(), String> {
     expect("key_overlap", build(500), build(950))
 }
 
+/// A head that completed in its own transaction (at 600) and returned later (at 900):
+/// its attempt ended at the commit, so a successor after 600 does not overlap it; one
+/// before the commit does.
+fn completed_in_transaction_ends_at_commit() -> Result<(), String> {
+    let build = |second_start: i64| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.job(2, Some("k"), Some(2), "done");
+        s.attempt(0, 1, 1, Some("k"), 100, Some(900));
+        s.event(1, 1, "completed", 600, "owner-w0");
+        s.attempt(1, 2, 1, Some("k"), second_start, Some(second_start + 50));
+        s.run(execution::check)
+    };
+    expect("key_overlap", build(550), build(650))
+}
+
 /// A cancelled head still running while its successor starts: no exemption.
 fn cancelled_head_overlaps() -> Result<(), String> {
     let build = |end: i64| {
@@ -414,8 +430,12 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 23] = [
+pub const CASES: [Case; 24] = [
     ("key_overlap", key_overlap),
+    (
+        "completed_in_transaction",
+        completed_in_transaction_ends_at_commit,
+    ),
     ("cancelled_head_overlaps", cancelled_head_overlaps),
     ("job_generations_overlap", job_generations_overlap),
     ("race_reaped_excused", race_reaped_excused),
