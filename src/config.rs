@@ -6,6 +6,8 @@
 
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 use crate::store::{Backoff, StoreOptions};
 
@@ -28,12 +30,14 @@ pub const DEFAULT_SEQUENCER_IDLE: Duration = Duration::from_secs(5);
 pub const DEFAULT_MAILBOX_CAPACITY: usize = 4096;
 pub const DEFAULT_COMPLETION_BATCH: usize = 128;
 pub const DEFAULT_COMPLETION_FLUSH: Duration = Duration::from_millis(2);
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The longest duration any field accepts (100 years): deadlines are computed on the
 /// monotonic clock and as PostgreSQL intervals, and both overflow far beyond it.
 pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// How failed attempts are retried.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RetryPolicy {
     /// Attempts a job gets unless its `NewJob` says otherwise. Default 25.
     pub max_attempts: i32,
@@ -53,7 +57,22 @@ impl Default for RetryPolicy {
 
 /// Everything a scheduler needs to know. `Config::default()` is a sensible production
 /// start; tests shrink the durations.
-#[derive(Clone, Debug)]
+///
+/// It deserializes with serde from any format (TOML, YAML, JSON, the environment
+/// through a crate such as `envy` or `config`): every field is optional and defaults as
+/// documented, durations are humantime text (`"30s"`, `"1h 30m"`), and an unknown key is
+/// an error that names it. [`Config::set`] sets one field (dotted path) from text.
+///
+/// ```
+/// let config: leasehold::Config = serde_json::from_str(
+///     r#"{ "queues": ["payments"], "concurrency": 8, "lease": "1m",
+///          "retry": { "max_attempts": 5, "backoff": { "cap": "5m" } } }"#,
+/// ).unwrap();
+/// assert_eq!(config.lease, std::time::Duration::from_secs(60));
+/// config.validate().unwrap();
+/// ```
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// PostgreSQL schema holding leasehold's tables. Default `leasehold`.
     pub schema: String,
@@ -65,13 +84,17 @@ pub struct Config {
     /// before claims pause. Default 16.
     pub concurrency: usize,
     /// Lease taken at claim and on each renewal. Default 30 s.
+    #[serde(with = "humantime_serde")]
     pub lease: Duration,
     /// How often running leases are renewed; at most `lease / 3`. Default 10 s.
+    #[serde(with = "humantime_serde")]
     pub renew_interval: Duration,
     /// Polling interval right after work was found. Default 50 ms.
+    #[serde(with = "humantime_serde")]
     pub poll_interval_min: Duration,
     /// Polling backs off (doubling on empty claims) up to this. Default 2 s. NOTIFY wakes
     /// the claimer earlier; this bound is what holds when a notification is lost.
+    #[serde(with = "humantime_serde")]
     pub poll_interval_max: Duration,
     /// Most jobs claimed per statement. Default 100.
     pub claim_batch_max: usize,
@@ -89,20 +112,25 @@ pub struct Config {
     /// Retry policy for failures and expired leases.
     pub retry: RetryPolicy,
     /// An attempt running longer fails with a timeout. Default 30 min.
+    #[serde(with = "humantime_serde")]
     pub max_run_time: Duration,
     /// How often the reaper looks for expired leases. Default 5 s.
+    #[serde(with = "humantime_serde")]
     pub reaper_interval: Duration,
     /// Most leases reaped per statement. Default 1000.
     pub reaper_batch: i64,
     /// On shutdown, in-flight jobs get this long to finish before being cancelled and
     /// released. Default 10 s.
+    #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
     /// Listen for NOTIFY wake-ups (a hint; polling stays the truth). Default true.
     pub listen: bool,
     /// How long the effect ledger keeps an outcome; must exceed the longest retry window.
     /// Default 30 days.
+    #[serde(with = "humantime_serde")]
     pub effect_keep: Duration,
     /// A key's sequencer stops after this long without work. Default 5 s.
+    #[serde(with = "humantime_serde")]
     pub sequencer_idle: Duration,
     /// Mailbox capacity of each actor; a send past it is counted as an overflow (and
     /// still delivered: leasehold never drops a message). Default 4096.
@@ -112,8 +140,12 @@ pub struct Config {
     /// The batcher writes at once when idle and batches what arrives while a write is in
     /// flight; a completion waits at most this long for a slow write before a second
     /// batch starts alongside it. Default 2 ms.
+    #[serde(with = "humantime_serde")]
     pub completion_flush: Duration,
-    /// Delete terminal jobs older than this (checked by the reaper). Default None: keep.
+    /// Delete done and cancelled jobs that finished longer ago than this (checked by the
+    /// reaper); dead jobs are kept (the dead-letter queue) until an operator retries or
+    /// cancels them. `None` keeps everything. Default 7 days.
+    #[serde(with = "humantime_serde::option")]
     pub retention: Option<Duration>,
     /// Store limits: payload cap (default 256 KiB) and history detail.
     pub store: StoreOptions,
@@ -143,7 +175,7 @@ impl Default for Config {
             mailbox_capacity: DEFAULT_MAILBOX_CAPACITY,
             completion_batch: DEFAULT_COMPLETION_BATCH,
             completion_flush: DEFAULT_COMPLETION_FLUSH,
-            retention: None,
+            retention: Some(DEFAULT_RETENTION),
             store: StoreOptions::default(),
         }
     }
@@ -307,41 +339,107 @@ impl Config {
         total
     }
 
-    /// Set one field from text, as read from an environment variable or a file.
-    /// Durations are humantime strings ("30s", "1h 30m"); lists are comma-separated.
+    /// Set one field from text, as read from an environment variable or a file:
+    /// `field` is its name, dotted for nested ones (`"retry.max_attempts"`,
+    /// `"store.max_payload_bytes"`); durations are humantime text ("30s", "1h 30m"),
+    /// lists comma-separated, `retention` also takes `"off"`. Every field can be set; an
+    /// unknown one is refused by name.
     pub fn set(&mut self, field: &str, value: &str) -> Result<()> {
-        let dur = |f: &'static str| {
-            humantime::parse_duration(value.trim())
-                .map_err(|e| refuse(f, format!("{value:?}: {e}")))
-        };
-        let num = |f: &'static str| {
-            value
-                .trim()
-                .parse::<usize>()
-                .map_err(|e| refuse(f, format!("{value:?}: {e}")))
-        };
-        match field {
-            "schema" => self.schema = value.trim().to_string(),
-            "queues" => self.queues = value.split(',').map(|q| q.trim().to_string()).collect(),
-            "concurrency" => self.concurrency = num("concurrency")?,
-            "lease" => self.lease = dur("lease")?,
-            "renew_interval" => self.renew_interval = dur("renew_interval")?,
-            "poll_interval_min" => self.poll_interval_min = dur("poll_interval_min")?,
-            "poll_interval_max" => self.poll_interval_max = dur("poll_interval_max")?,
-            "claim_batch_max" => self.claim_batch_max = num("claim_batch_max")?,
-            "claim_ahead" => self.claim_ahead = num("claim_ahead")?,
-            "inflight_byte_budget" => self.inflight_byte_budget = num("inflight_byte_budget")?,
-            "max_attempts" => self.retry.max_attempts = num("max_attempts")? as i32,
-            "backoff_base" => self.retry.backoff.base = dur("backoff_base")?,
-            "backoff_cap" => self.retry.backoff.cap = dur("backoff_cap")?,
-            "max_run_time" => self.max_run_time = dur("max_run_time")?,
-            "reaper_interval" => self.reaper_interval = dur("reaper_interval")?,
-            "shutdown_grace" => self.shutdown_grace = dur("shutdown_grace")?,
-            "effect_keep" => self.effect_keep = dur("effect_keep")?,
-            "retention" => self.retention = Some(dur("retention")?),
-            _ => return Err(refuse("config", format!("unknown field {field:?}"))),
-        }
+        let mut tree = serde_json::to_value(&*self).expect("a config serializes");
+        let pointer = format!("/{}", field.trim().replace('.', "/"));
+        let slot = tree
+            .pointer_mut(&pointer)
+            .ok_or_else(|| refuse("config", format!("unknown field {field:?}")))?;
+        *slot = text_value(slot, value.trim());
+        *self =
+            serde_json::from_value(tree).map_err(|e| refuse("config", format!("{field}: {e}")))?;
         Ok(())
+    }
+
+    /// Read every `<prefix>_<FIELD>` environment variable (e.g. `LEASEHOLD_LEASE=45s`,
+    /// `LEASEHOLD_RETRY__MAX_ATTEMPTS=5`: a double underscore for a dot) into this
+    /// config with [`Config::set`]. Returns how many were set.
+    pub fn set_from_env(&mut self, prefix: &str) -> Result<usize> {
+        let lead = format!("{prefix}_");
+        let mut n = 0;
+        for (name, value) in std::env::vars() {
+            if let Some(rest) = name.strip_prefix(&lead) {
+                let field = rest.to_lowercase().replace("__", ".");
+                self.set(&field, &value)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// `text` as the JSON the field's current value suggests: a number or boolean for those,
+/// a list for lists, `null` for "off"/"none" where a value may be absent, text otherwise.
+fn text_value(current: &serde_json::Value, text: &str) -> serde_json::Value {
+    use serde_json::Value;
+    match current {
+        Value::Number(_) => text
+            .parse::<serde_json::Number>()
+            .map(Value::Number)
+            .unwrap_or_else(|_| Value::String(text.into())),
+        Value::Bool(_) => text
+            .parse::<bool>()
+            .map(Value::Bool)
+            .unwrap_or_else(|_| Value::String(text.into())),
+        Value::Array(_) => Value::Array(
+            text.split(',')
+                .map(|t| Value::String(t.trim().into()))
+                .collect(),
+        ),
+        _ if matches!(text, "off" | "none" | "") => Value::Null,
+        _ => Value::String(text.into()),
+    }
+}
+
+/// Durations as humantime text in serde (`"30s"`, `"1h 30m"`); a bare number is seconds.
+pub(crate) mod humantime_serde {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        Text(String),
+        Seconds(f64),
+    }
+
+    fn parse<E: serde::de::Error>(t: Text) -> Result<Duration, E> {
+        match t {
+            Text::Text(s) => humantime::parse_duration(s.trim())
+                .map_err(|e| E::custom(format!("{s:?} is not a duration: {e}"))),
+            Text::Seconds(n) => Duration::try_from_secs_f64(n)
+                .map_err(|e| E::custom(format!("{n} seconds is not a duration: {e}"))),
+        }
+    }
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        parse(Text::deserialize(d)?)
+    }
+
+    /// For `Option<Duration>`: `null` is `None`.
+    pub mod option {
+        use super::*;
+
+        pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+            match d {
+                Some(d) => super::serialize(d, s),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+            Option::<Text>::deserialize(d)?.map(parse).transpose()
+        }
     }
 }
 
@@ -399,6 +497,43 @@ mod tests {
         let mut c = Config::default();
         c.retry.max_attempts = 3;
         assert_eq!(c.store_options().default_max_attempts, 3);
+    }
+
+    #[test]
+    fn every_field_can_be_set_from_text_by_its_dotted_name() {
+        let mut c = Config::default();
+        c.set("retry.max_attempts", "5").unwrap();
+        c.set("retry.backoff.cap", "2m").unwrap();
+        c.set("store.max_result_bytes", "1000").unwrap();
+        c.set("queues", "a, b").unwrap();
+        c.set("listen", "false").unwrap();
+        c.set("retention", "off").unwrap();
+        c.set("claim_ahead", "0").unwrap();
+        assert_eq!(c.retry.max_attempts, 5);
+        assert_eq!(c.retry.backoff.cap, Duration::from_secs(120));
+        assert_eq!(c.store.max_result_bytes, 1000);
+        assert_eq!(c.queues, vec!["a".to_string(), "b".to_string()]);
+        assert!(!c.listen);
+        assert_eq!(c.retention, None);
+        assert_eq!(c.claim_ahead, 0);
+        let err = c.set("leese", "30s").unwrap_err().to_string();
+        assert!(err.contains("leese"), "{err}");
+        let err = c.set("concurrency", "many").unwrap_err().to_string();
+        assert!(err.contains("concurrency"), "{err}");
+    }
+
+    #[test]
+    fn a_config_file_with_an_unknown_key_is_refused_naming_it() {
+        let err = serde_json::from_str::<Config>(r#"{ "lease": "10s", "concurency": 4 }"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("concurency"), "{err}");
+        let ok: Config = serde_json::from_str(r#"{ "lease": "10s", "retention": null }"#).unwrap();
+        assert_eq!((ok.lease, ok.retention), (Duration::from_secs(10), None));
+        // What serializes, deserializes back.
+        let text = serde_json::to_string(&Config::default()).unwrap();
+        let back: Config = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.lease, Config::default().lease);
     }
 
     #[test]

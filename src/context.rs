@@ -171,9 +171,21 @@ impl JobContext {
     pub fn max_attempts(&self) -> i32 {
         self.inner.job.max_attempts
     }
-    /// The fencing token: pass it to stores that reject older tokens.
+    /// The job's generation: +1 on every claim of this job. A fencing token for a store
+    /// that fences per job. For a store that fences per resource (an account), use
+    /// [`JobContext::fencing_token`]: the generation starts again at 1 for each job.
     pub fn generation(&self) -> Generation {
         self.inner.job.generation
+    }
+
+    /// A fencing token that only grows across every attempt of every job of this job's
+    /// key: the key's sequence number in the high 32 bits, the generation in the low 32.
+    /// Jobs of one key run one at a time in `key_seq` order, so an effect store that
+    /// fences per account (refusing a token older than the newest it has seen for the
+    /// account) never refuses the account's current attempt, and always refuses a stale
+    /// one. An unkeyed job's token is its generation.
+    pub fn fencing_token(&self) -> u64 {
+        self.inner.job.fencing_token()
     }
     pub fn fence(&self) -> Fence {
         self.inner.job.fence()
@@ -215,6 +227,10 @@ impl JobContext {
     /// business writes: commit both or neither. Returns `Stale` if this attempt lost
     /// its fence — then roll back. After `Completed`, commit, and return `Ok` from the
     /// handler; the scheduler will not complete the job a second time.
+    ///
+    /// The job is done when your transaction commits, and its key's next job may start
+    /// from that moment (on any process): do no more work for this job after the commit.
+    /// A keyed job's key row stays locked until then, so keep the transaction short.
     pub async fn complete_in(
         &self,
         conn: &mut PgConnection,

@@ -265,6 +265,17 @@ pub struct ClaimedJob {
 }
 
 impl ClaimedJob {
+    /// A fencing token that only grows across every attempt of every job of this job's
+    /// key (see [`crate::JobContext::fencing_token`]): `key_seq` in the high 32 bits,
+    /// the generation in the low 32; an unkeyed job's token is its generation.
+    pub fn fencing_token(&self) -> u64 {
+        let generation = self.generation.0 as u64 & 0xffff_ffff;
+        match self.key_seq {
+            Some(seq) => ((seq as u64) << 32) | generation,
+            None => generation,
+        }
+    }
+
     pub fn fence(&self) -> Fence {
         Fence {
             job: self.id,

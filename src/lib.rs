@@ -11,6 +11,7 @@ pub mod job;
 pub mod metrics;
 pub mod scheduler;
 pub mod store;
+#[cfg(feature = "testkit")]
 pub mod testkit;
 
 pub use config::{Config, RetryPolicy};

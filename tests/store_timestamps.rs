@@ -167,7 +167,7 @@ fn a_successor_claimed_by_a_completion_that_waited_for_its_key_is_not_born_expir
             .unwrap();
         let waiting_sql = "SELECT count(*) FROM pg_stat_activity
              WHERE datname = current_database() AND wait_event_type = 'Lock'
-               AND query LIKE '%leasehold:lock_keys_wait%' AND query LIKE '%' || $1 || '%'";
+               AND query LIKE '%leasehold:complete_keyed%' AND query LIKE '%' || $1 || '%'";
         wait_until(
             20,
             "the head's completion to wait for the key row",

@@ -5,7 +5,6 @@ use std::error::Error;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use leasehold::testkit::fencing_token;
 use leasehold::testkit::gateway::{
     ChargeRequest, ChargeResult, Fault, FaultSchedule, GatewayClient, Receipt,
 };
@@ -101,7 +100,7 @@ impl Handler for PaymentHandler {
             KeyScheme::Stable => "charge".to_string(),
             KeyScheme::PerAttempt => format!("charge-g{}", ctx.generation()),
         };
-        let token = fencing_token(ctx.job());
+        let token = ctx.fencing_token();
         let fault = match ctx.attempt() {
             1 => self.worker_faults.get(&request.reference).copied(),
             _ => None,

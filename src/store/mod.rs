@@ -45,7 +45,8 @@ pub use stats::{KeyBlock, QueueStats};
 use crate::error::Result;
 
 /// Store limits and defaults that do not change per call.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct StoreOptions {
     /// Largest accepted payload, in bytes of its JSON encoding. Default 256 KiB.
     pub max_payload_bytes: usize,
@@ -78,9 +79,12 @@ impl Default for StoreOptions {
 
 /// Retry timing for failed attempts and expired leases, computed by the database:
 /// `min(cap, base * 2^(attempt-1))`, reduced by up to `jitter` (a fraction) at random.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Backoff {
+    #[serde(with = "crate::config::humantime_serde")]
     pub base: Duration,
+    #[serde(with = "crate::config::humantime_serde")]
     pub cap: Duration,
     /// 0.0 ..= 1.0.
     pub jitter: f64,

@@ -27,19 +27,7 @@ pub fn attempt_context(job: ClaimedJob, store: Store) -> JobContext {
     JobContext::new(job, store, DEFAULT_EFFECT_KEEP, far)
 }
 
-/// A fencing token for an effect store that fences per resource, where the resource is
-/// the job's key (an account): the key's sequence number in the high 32 bits and the
-/// generation in the low 32 bits.
-///
-/// The generation alone only grows within one job; the next payment of the same account
-/// starts again at generation 1 and would be refused by a store that has seen
-/// generation 2 of the previous payment. Jobs of one key run one at a time in `key_seq`
-/// order, so `(key_seq, generation)` only grows across all of the key's attempts. An
-/// unkeyed job's token is its generation.
+/// The fencing token of `job`'s attempt; see [`ClaimedJob::fencing_token`].
 pub fn fencing_token(job: &ClaimedJob) -> u64 {
-    let generation = job.generation.0 as u64 & 0xffff_ffff;
-    match job.key_seq {
-        Some(seq) => ((seq as u64) << 32) | generation,
-        None => generation,
-    }
+    job.fencing_token()
 }
