@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::task::{JoinError, JoinHandle};
+use tracing::Instrument;
 
 use crate::actor::completer::{Complete, Completed};
 use crate::context::{CancelReason, JobContext};
@@ -112,7 +113,39 @@ pub(crate) async fn execute_chained(
     attempt_once(env, ctx, ran, true).await
 }
 
+/// The span of one attempt: everything the scheduler does for it, and the handler's own
+/// logs and spans, carry the job's identity (so `tracing-opentelemetry` users get one
+/// trace per attempt with no code of their own).
+fn attempt_span(env: &Env, ctx: &JobContext) -> tracing::Span {
+    let job = ctx.job();
+    tracing::info_span!(
+        "leasehold.attempt",
+        job.id = job.id.0,
+        job.kind = %job.kind,
+        job.queue = %job.queue,
+        job.key = job.key.as_deref().unwrap_or(""),
+        job.attempt = job.attempt,
+        job.generation = job.generation.0,
+        owner = %env.owner,
+        outcome = tracing::field::Empty,
+    )
+}
+
 async fn attempt_once(
+    env: Arc<Env>,
+    ctx: JobContext,
+    ran: impl FnOnce(),
+    chain: bool,
+) -> (Ended, Successor) {
+    let span = attempt_span(&env, &ctx);
+    let ended = attempt_in_span(env, ctx, ran, chain)
+        .instrument(span.clone())
+        .await;
+    span.record("outcome", tracing::field::debug(&ended.0));
+    ended
+}
+
+async fn attempt_in_span(
     env: Arc<Env>,
     ctx: JobContext,
     ran: impl FnOnce(),
@@ -195,12 +228,15 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
     // stopped (SIGSTOP, a paused VM) between the check before it and now.
     let gate = ctx.clone();
     let call = handler.call(ctx.clone(), job.payload.clone());
-    let mut task = tokio::spawn(async move {
-        if !gate.lease_live() {
-            return Err(AttemptError::NotStarted);
+    let mut task = tokio::spawn(
+        async move {
+            if !gate.lease_live() {
+                return Err(AttemptError::NotStarted);
+            }
+            call.await
         }
-        call.await
-    });
+        .in_current_span(),
+    );
     let token = ctx.token();
     let run_deadline = tokio::time::sleep(env.config.max_run_time);
     tokio::pin!(run_deadline);

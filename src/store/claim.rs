@@ -172,6 +172,7 @@ impl Store {
     /// [`Store::claim`], and the moment the statement was sent, once a connection was
     /// at hand: the leases it took count from a later time, so a local lease deadline
     /// counted from this one is safe, and waiting for a connection does not eat into it.
+    #[tracing::instrument(name = "leasehold.claim", level = "debug", skip_all, fields(limit = req.limit))]
     pub(crate) async fn claim_sent(
         &self,
         req: &ClaimRequest,
@@ -280,6 +281,7 @@ impl Store {
 
     /// [`Store::claim_key`], and the moment the statement was sent (see
     /// [`Store::claim_sent`]).
+    #[tracing::instrument(name = "leasehold.claim_key", level = "debug", skip_all)]
     pub(crate) async fn claim_key_sent(
         &self,
         owner: &OwnerId,

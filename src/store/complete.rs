@@ -210,6 +210,7 @@ impl Store {
     /// outcome comes with the successor claimed for it, if any, and the moment the
     /// claiming statement was sent, after every wait for a lock: its lease counts from
     /// then (`clock_timestamp()` in the statement), not from the batch's start.
+    #[tracing::instrument(name = "leasehold.complete_keyed", level = "debug", skip_all, fields(n = batch.len(), wait))]
     pub(crate) async fn complete_keyed(
         &self,
         owner: &OwnerId,
@@ -306,6 +307,7 @@ impl Store {
     /// rows, so whatever it did not complete (a keyed job after all, a lost fence, a
     /// completion already committed) goes through [`Store::complete_many`], which
     /// promotes or tells the cases apart.
+    #[tracing::instrument(name = "leasehold.complete", level = "debug", skip_all, fields(n = items.len()))]
     pub(crate) async fn complete_unkeyed(
         &self,
         owner: &OwnerId,

@@ -252,6 +252,7 @@ impl Store {
     }
 
     /// [`Store::enqueue_many`] inside the caller's transaction.
+    #[tracing::instrument(name = "leasehold.enqueue", level = "debug", skip_all, fields(n = jobs.len()))]
     pub async fn enqueue_many_in(
         &self,
         conn: &mut PgConnection,

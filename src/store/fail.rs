@@ -100,6 +100,7 @@ impl Store {
     /// attempts are spent or the failure is permanent, or cancelled when an operator
     /// asked to cancel the job while it ran. A dead head keeps its key blocked unless
     /// the job was enqueued with [`crate::DeadKeyPolicy::Continue`].
+    #[tracing::instrument(name = "leasehold.fail", level = "debug", skip_all, fields(job = fence.job.0))]
     pub async fn fail(
         &self,
         fence: &Fence,
@@ -149,6 +150,7 @@ impl Store {
     /// Give jobs back without counting the attempt (graceful shutdown): pending and
     /// claimable at once by any worker; a job an operator asked to cancel is cancelled
     /// instead. Returns the ids actually released or cancelled.
+    #[tracing::instrument(name = "leasehold.release", level = "debug", skip_all, fields(n = jobs.len()))]
     pub async fn release_many(
         &self,
         owner: &OwnerId,

@@ -62,6 +62,7 @@ impl Store {
     /// Extend the leases of `jobs` held by `owner` to `clock_timestamp() + lease`,
     /// without waiting on any row lock. A job in `lost` was reaped, released, cancelled
     /// or claimed by a newer generation; one in `busy` is still ours.
+    #[tracing::instrument(name = "leasehold.renew", level = "debug", skip_all, fields(n = jobs.len()))]
     pub async fn renew(
         &self,
         owner: &OwnerId,

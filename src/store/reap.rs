@@ -92,6 +92,7 @@ impl ReapReport {
 
 impl Store {
     /// Reap up to `limit` expired leases. `at` is the test clock (None: the database's).
+    #[tracing::instrument(name = "leasehold.reap", level = "debug", skip_all)]
     pub async fn reap(
         &self,
         reaper: &OwnerId,

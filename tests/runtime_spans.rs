@@ -1,0 +1,164 @@
+//! Each attempt runs inside a `leasehold.attempt` span carrying the job's identity, and
+//! what the handler logs is inside it: a tracing-opentelemetry user gets one trace per
+//! attempt with no code of their own. Asserted on what a subscriber actually received.
+
+mod common;
+#[path = "common/worker.rs"]
+mod worker;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use common::{within, TestDb};
+use leasehold::{Handler, JobContext, JobError, JobState, Scheduler, StoreOptions};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Subscriber};
+use tracing_subscriber::layer::{Context, Layer};
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::registry::LookupSpan;
+use worker::{fast_config, run_in_system, wait_until, POOL};
+
+/// Fields of a span or event, as text.
+#[derive(Default)]
+struct Fields(HashMap<String, String>);
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(
+            field.name().to_string(),
+            format!("{value:?}").trim_matches('"').to_string(),
+        );
+    }
+}
+
+/// What the subscriber saw: spans by name with their fields, and for each handler
+/// message, the names of the spans it was inside.
+#[derive(Default, Clone)]
+struct Seen {
+    spans: Arc<Mutex<Vec<(String, HashMap<String, String>)>>>,
+    handler_scopes: Arc<Mutex<Vec<Vec<String>>>>,
+}
+
+struct Recorder(Seen);
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Recorder {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let mut f = Fields::default();
+        attrs.record(&mut f);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(f.0.clone());
+        }
+        self.0
+            .spans
+            .lock()
+            .unwrap()
+            .push((attrs.metadata().name().to_string(), f.0));
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let mut f = Fields::default();
+        values.record(&mut f);
+        if let Some(span) = ctx.span(id) {
+            let name = span.name().to_string();
+            let mut spans = self.0.spans.lock().unwrap();
+            if let Some(entry) = spans.iter_mut().rev().find(|(n, _)| *n == name) {
+                entry.1.extend(f.0);
+            }
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
+        let mut f = Fields::default();
+        event.record(&mut f);
+        if f.0.get("message").map(String::as_str) == Some("handler at work") {
+            let scope = ctx
+                .event_scope(event)
+                .map(|s| s.map(|span| span.name().to_string()).collect())
+                .unwrap_or_default();
+            self.0.handler_scopes.lock().unwrap().push(scope);
+        }
+    }
+}
+
+struct Talks;
+
+impl Handler for Talks {
+    type Payload = ();
+    type Output = ();
+    const KIND: &'static str = "talks";
+
+    async fn run(&self, _: JobContext, _: ()) -> Result<(), JobError> {
+        tracing::info!("handler at work");
+        Ok(())
+    }
+}
+
+#[test]
+fn each_attempt_runs_in_a_span_with_the_jobs_identity_and_the_handler_inside_it() {
+    let seen = Seen::default();
+    tracing_subscriber::registry()
+        .with(Recorder(seen.clone()))
+        .try_init()
+        .expect("this test binary's only subscriber");
+    run_in_system(within(60, "span test", async move {
+        let db = TestDb::with_options("rt_spans", StoreOptions::default(), POOL).await;
+        let scheduler = Scheduler::builder(db.pool.clone(), fast_config(&db.schema))
+            .register(Talks)
+            .start()
+            .await
+            .unwrap();
+        let id = scheduler
+            .enqueue_job(
+                leasehold::NewJob::new("talks", &())
+                    .unwrap()
+                    .with_key("acct-9"),
+            )
+            .await
+            .unwrap();
+        wait_until(10, "the job to finish", || async {
+            db.store.job(id).await.unwrap().state == JobState::Done
+        })
+        .await;
+        scheduler.shutdown().await.unwrap();
+
+        let spans = seen.spans.lock().unwrap();
+        let attempt = spans
+            .iter()
+            .find(|(n, f)| n == "leasehold.attempt" && f.get("job.id") == Some(&id.0.to_string()))
+            .unwrap_or_else(|| {
+                panic!(
+                    "no attempt span for job {id}: {:?}",
+                    spans.iter().map(|s| &s.0).collect::<Vec<_>>()
+                )
+            });
+        let f = &attempt.1;
+        assert_eq!(f.get("job.kind").map(String::as_str), Some("talks"));
+        assert_eq!(f.get("job.queue").map(String::as_str), Some("default"));
+        assert_eq!(f.get("job.key").map(String::as_str), Some("acct-9"));
+        assert_eq!(f.get("job.attempt").map(String::as_str), Some("1"));
+        assert_eq!(f.get("job.generation").map(String::as_str), Some("1"));
+        assert_eq!(
+            f.get("owner").map(String::as_str),
+            Some(scheduler.owner().as_str())
+        );
+        assert_eq!(f.get("outcome").map(String::as_str), Some("Completed"));
+        assert!(
+            spans.iter().any(|(n, _)| n == "leasehold.claim"),
+            "the claim statement has its span"
+        );
+        assert!(
+            spans
+                .iter()
+                .any(|(n, _)| n.starts_with("leasehold.complete")),
+            "the completion has its span"
+        );
+        let scopes = seen.handler_scopes.lock().unwrap();
+        assert_eq!(scopes.len(), 1, "{scopes:?}");
+        assert!(
+            scopes[0].iter().any(|s| s == "leasehold.attempt"),
+            "the handler's log is inside the attempt span: {scopes:?}"
+        );
+        db.drop().await;
+    }))
+}
