@@ -20,17 +20,19 @@
 //! pool (and a `Store` over it for reads); the scheduler's pool stays on the main
 //! runtime, so stopping the web workers never leaves it with dead connections.
 //!
-//! Ctrl-C (or SIGTERM) stops the HTTP server first (in-flight requests finish), then the
-//! scheduler (running jobs get their grace period, the rest are released). `--demo` binds
-//! an ephemeral port unless `PORT` is set, works in schemas of its own, and drops them
-//! at the end; it exits non-zero if what it sees is wrong.
+//! Ctrl-C (or SIGTERM) stops the HTTP server first, by actix-web's own signal handling
+//! (in-flight requests finish), then the scheduler (running jobs get their grace period,
+//! the rest are released): `HttpServer::run().await`, then `scheduler.shutdown().await`.
+//! The scheduler is a cheap handle in `web::Data`. `--demo` binds an ephemeral port
+//! unless `PORT` is set, works in schemas of its own, and drops them at the end; it exits
+//! non-zero if what it sees is wrong. `FULFIL_MS` sets how long picking takes (50 ms),
+//! `SHOP` the schema (`shop`, the jobs in `shop_jobs`).
 //!
 //! Needs a local PostgreSQL (DATABASE_URL, or PGHOST/PGPORT/PGUSER; default
 //! postgres://root@127.0.0.1:5432/postgres). It creates the database `leasehold_demo`.
 
 use std::error::Error;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{web, App, HttpResponse, HttpServer};
@@ -68,7 +70,7 @@ impl Handler for FulfilOrder {
 
     async fn run(&self, ctx: JobContext, f: Fulfil) -> Result<(), JobError> {
         // Picking and packing.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(picking_time()).await;
         let mut tx = self.pool.begin().await?;
         sqlx::query(&format!(
             "UPDATE {} SET status = 'fulfilled', fulfilled_at = now() WHERE id = $1 AND status = 'new'",
@@ -99,8 +101,8 @@ impl Handler for FulfilOrder {
 struct AppState {
     /// The web workers' pool.
     pool: PgPool,
-    /// The scheduler: enqueue (it checks the kind) and metrics.
-    scheduler: Arc<Scheduler>,
+    /// The scheduler: enqueue (it checks the kind) and metrics. A cheap handle.
+    scheduler: Scheduler,
     /// The job tables over the web workers' pool, for reads.
     jobs: Store,
     orders: String,
@@ -302,14 +304,13 @@ async fn create_orders_table(pool: &PgPool, schema: &str) -> Result<String, Box<
     Ok(orders)
 }
 
-/// Until Ctrl-C or SIGTERM.
-async fn stop_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+/// How long picking an order takes: `FULFIL_MS` milliseconds (default 50).
+fn picking_time() -> Duration {
+    let ms = std::env::var("FULFIL_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    Duration::from_millis(ms)
 }
 
 #[actix_web::main]
@@ -327,7 +328,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
         let pid = std::process::id();
         (format!("shop_demo_{pid}"), format!("shop_demo_{pid}_jobs"))
     } else {
-        ("shop".to_string(), "shop_jobs".to_string())
+        // `SHOP` names the business schema (the jobs go to `<SHOP>_jobs`).
+        let shop = std::env::var("SHOP").unwrap_or_else(|_| "shop".into());
+        let jobs = format!("{shop}_jobs");
+        (shop, jobs)
     };
 
     let options = database().await?;
@@ -339,15 +343,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
         shutdown_grace: Duration::from_secs(5),
         ..Config::default()
     };
-    let scheduler = Arc::new(
-        Scheduler::builder(pool.clone(), config)
-            .register(FulfilOrder {
-                pool: pool.clone(),
-                orders: orders.clone(),
-            })
-            .start()
-            .await?,
-    );
+    let scheduler = Scheduler::builder(pool.clone(), config)
+        .register(FulfilOrder {
+            pool: pool.clone(),
+            orders: orders.clone(),
+        })
+        .start()
+        .await?;
 
     let state = web::Data::new(AppState {
         pool: web_pool.clone(),
@@ -363,32 +365,30 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .route("/metrics", web::get().to(metrics))
     })
     .workers(2)
-    .disable_signals()
     .shutdown_timeout(10)
     .bind(("127.0.0.1", port))?;
     let addr = server.addrs()[0];
+    // actix-web's own signal handling: Ctrl-C and SIGTERM stop the server gracefully
+    // (requests in flight finish) and `server.await` returns.
     let server = server.run();
-    let handle = server.handle();
     println!("listening on http://{addr}");
-
-    let stopper = actix_web::rt::spawn(async move {
-        let outcome = if demo {
-            run_demo(addr).await
-        } else {
-            stop_signal().await;
-            println!("stopping: HTTP server first, then the scheduler");
-            Ok(0)
-        };
-        // Graceful: requests in flight finish.
-        handle.stop(true).await;
-        outcome
-    });
+    let stopper = if demo {
+        let handle = server.handle();
+        Some(actix_web::rt::spawn(async move {
+            let outcome = run_demo(addr).await;
+            handle.stop(true).await;
+            outcome
+        }))
+    } else {
+        None
+    };
     server.await?;
-    let mut outcome = stopper.await?;
+    let mut outcome = match stopper {
+        Some(demo) => demo.await?,
+        None => Ok(0),
+    };
     web_pool.close().await;
-
-    // The server's workers are gone, and with them their handles on the scheduler.
-    let scheduler = unwrap_when_alone(scheduler).await?;
+    println!("stopping: the HTTP server stopped; now the scheduler");
     let report = scheduler.shutdown().await?;
     println!(
         "scheduler stopped: {} attempts drained, {} released",
@@ -438,17 +438,6 @@ async fn check_demo_tables(
     }
     println!("demo ok: the refused order left neither an order nor a job");
     Ok(placed)
-}
-
-async fn unwrap_when_alone(mut scheduler: Arc<Scheduler>) -> Result<Scheduler, Box<dyn Error>> {
-    for _ in 0..500 {
-        match Arc::try_unwrap(scheduler) {
-            Ok(s) => return Ok(s),
-            Err(shared) => scheduler = shared,
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    Err("the scheduler is still shared after the HTTP server stopped".into())
 }
 
 // ---------------------------------------------------------------------------------

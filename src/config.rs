@@ -20,6 +20,7 @@ pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(50);
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_secs(2);
 pub const DEFAULT_CLAIM_BATCH_MAX: usize = 100;
 pub const DEFAULT_CLAIM_AHEAD: usize = 32;
+pub const DEFAULT_CONNECTIONS: u32 = 3;
 pub const DEFAULT_INFLIGHT_BYTES: usize = 64 * 1024 * 1024;
 pub const DEFAULT_MAX_RUN_TIME: Duration = Duration::from_secs(30 * 60);
 pub const DEFAULT_REAPER_INTERVAL: Duration = Duration::from_secs(5);
@@ -98,6 +99,17 @@ pub struct Config {
     pub poll_interval_max: Duration,
     /// Most jobs claimed per statement. Default 100.
     pub claim_batch_max: usize,
+    /// Threads of the scheduler's own that run handlers. `None` (the default): handlers
+    /// run on the runtime the scheduler was started from — the host's, so they use its
+    /// pools and clients on the runtime that made them; for an actix app that is the one
+    /// thread of the arbiter that started it. `Some(n)`: a multi-thread runtime of `n`
+    /// threads, so CPU-heavy handlers use every core and never stall the host; a handler
+    /// there should open connections from a pool made for it (a pool belongs to the
+    /// runtime that opened its connections).
+    pub handler_threads: Option<usize>,
+    /// Connections of the scheduler's own pool that writes job endings (completions,
+    /// failures, releases) and fetches a key's next job. Default 3.
+    pub connections: u32,
     /// Jobs claimed beyond the free slots, to wait in this process for the next one: a
     /// handler that returns starts the next job at once, with no round trip, and claims
     /// come in batches even at concurrency 1. They are leased and renewed from their
@@ -163,6 +175,8 @@ impl Default for Config {
             poll_interval_max: DEFAULT_POLL_MAX,
             claim_batch_max: DEFAULT_CLAIM_BATCH_MAX,
             claim_ahead: DEFAULT_CLAIM_AHEAD,
+            handler_threads: None,
+            connections: DEFAULT_CONNECTIONS,
             inflight_byte_budget: DEFAULT_INFLIGHT_BYTES,
             retry: RetryPolicy::default(),
             max_run_time: DEFAULT_MAX_RUN_TIME,
@@ -307,6 +321,12 @@ impl Config {
         }
         if self.store.max_result_bytes == 0 {
             return Err(refuse("store.max_result_bytes", "must be positive"));
+        }
+        if self.handler_threads == Some(0) {
+            return Err(refuse("handler_threads", "must be at least 1 (or None)"));
+        }
+        if self.connections == 0 {
+            return Err(refuse("connections", "must be at least 1"));
         }
         if self.sequencer_idle.is_zero() {
             return Err(refuse("sequencer_idle", "must be positive"));

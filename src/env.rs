@@ -20,7 +20,15 @@ use crate::metrics::Metrics;
 use crate::store::Store;
 
 pub(crate) struct Env {
+    /// The store over the scheduler's own writer pool (job endings, fetch-next,
+    /// releases), made on the scheduler's thread.
     pub store: Store,
+    /// The store over the host's pool: enqueues through the handle, and the context
+    /// handlers get (their effect ledger writes run on the host's runtime).
+    pub host_store: Store,
+    /// Where handlers run: the runtime the scheduler was started from, or its own
+    /// (`Config::handler_threads`).
+    pub handlers: tokio::runtime::Handle,
     /// The same store over the claimer's own connections (see `scheduler::claim_session`).
     pub claim_store: Store,
     pub config: Config,
@@ -60,7 +68,7 @@ impl Env {
     pub fn track(&self, job: ClaimedJob, sent: Instant) -> JobContext {
         let ctx = JobContext::new(
             job,
-            self.store.clone(),
+            self.host_store.clone(),
             self.config.effect_keep,
             self.lease_deadline_after(sent),
         );

@@ -228,7 +228,7 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
     // stopped (SIGSTOP, a paused VM) between the check before it and now.
     let gate = ctx.clone();
     let call = handler.call(ctx.clone(), job.payload.clone());
-    let mut task = tokio::spawn(
+    let mut task = env.handlers.spawn(
         async move {
             if !gate.lease_live() {
                 return Err(AttemptError::NotStarted);
@@ -356,10 +356,9 @@ fn attempt_from(env: &Env, joined: Joined) -> Attempt {
                 permanent: false,
             })
         }
-        Err(_) => Attempt::Failed(Failure {
-            reason: "handler task was cancelled".into(),
-            permanent: false,
-        }),
+        // The runtime the handler ran on stopped under it (the host shutting down):
+        // give the job back, as at shutdown.
+        Err(_) => Attempt::Release("the handler's runtime stopped"),
     }
 }
 

@@ -1,0 +1,226 @@
+//! The public handle: build, start, enqueue, observe, stop.
+//!
+//! ```ignore
+//! let scheduler = Scheduler::builder(pool, Config::default())
+//!     .register(SendEmail)
+//!     .start()
+//!     .await?;
+//! scheduler.enqueue::<SendEmail>(&email).await?;
+//! scheduler.shutdown().await?;
+//! ```
+//!
+//! Start it from any async context: an actix `System` (actix-web), or any tokio
+//! runtime (axum, tonic, plain tokio). The scheduler runs its actors on a thread of its
+//! own (see `runtime`); its handlers run on the runtime it was started from, or on
+//! `Config::handler_threads` threads of its own. The host's pool serves enqueues, the
+//! handle's store, and handlers; the scheduler opens connections of its own (see the
+//! README's "Using it").
+
+mod pools;
+mod runtime;
+
+use std::sync::Arc;
+
+use sqlx::{PgConnection, PgPool};
+
+use crate::actor::lease_renewer::RenewNow;
+use crate::actor::reaper::ReapNow;
+use crate::config::Config;
+use crate::env::Env;
+use crate::error::{Error, Result};
+use crate::handler::{Handler as JobHandler, Registry};
+use crate::job::{JobId, NewJob, OwnerId};
+use crate::metrics::MetricsSnapshot;
+use crate::store::{QueueStats, ReapReport, Store};
+use runtime::Core;
+
+/// Collects handlers, then starts the scheduler.
+pub struct SchedulerBuilder {
+    pool: PgPool,
+    config: Config,
+    registry: Registry,
+}
+
+impl SchedulerBuilder {
+    /// Register the handler of one job kind.
+    pub fn register<H: JobHandler>(mut self, handler: H) -> Self {
+        self.registry.insert(handler);
+        self
+    }
+
+    /// Validate the config, migrate the schema, start the actors (on the scheduler's
+    /// own thread). Call it from any async context.
+    pub async fn start(self) -> Result<Scheduler> {
+        let core = runtime::start(self.pool, self.config, self.registry).await?;
+        Ok(Scheduler {
+            _guard: Arc::new(DropGuard(core.clone())),
+            core,
+        })
+    }
+}
+
+/// A running scheduler: a cheap handle to clone and share (e.g. in actix-web's
+/// `web::Data`). Stop it with [`Scheduler::shutdown`], from any clone, any number of
+/// times. If the last handle is dropped without a shutdown, the scheduler shuts itself
+/// down in the background (it stops claiming at once and releases what it holds).
+#[derive(Clone)]
+pub struct Scheduler {
+    core: Arc<Core>,
+    /// Shared by the handles only: its drop means the last handle is gone.
+    _guard: Arc<DropGuard>,
+}
+
+struct DropGuard(Arc<Core>);
+
+impl Drop for DropGuard {
+    fn drop(&mut self) {
+        let core = self.0.clone();
+        if core.report.initialized() {
+            return;
+        }
+        tracing::warn!(owner = %core.env.owner, "leasehold scheduler dropped without shutdown(); shutting down in the background");
+        core.stop_in_background();
+    }
+}
+
+/// What a shutdown did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShutdownReport {
+    /// Attempts that finished within the grace period.
+    pub drained: u64,
+    /// Attempts cancelled after the grace period (their jobs released at once).
+    pub cancelled: u64,
+    /// The final figures, taken after every actor stopped: `in_flight` and
+    /// `sequencers` are 0 after a clean stop.
+    pub metrics: MetricsSnapshot,
+}
+
+impl Scheduler {
+    pub fn builder(pool: PgPool, config: Config) -> SchedulerBuilder {
+        SchedulerBuilder {
+            pool,
+            config,
+            registry: Registry::default(),
+        }
+    }
+
+    fn env(&self) -> &Arc<Env> {
+        &self.core.env
+    }
+
+    /// Enqueue a job for handler `H` in the first configured queue.
+    pub async fn enqueue<H: JobHandler>(&self, payload: &H::Payload) -> Result<JobId> {
+        self.enqueue_job(NewJob::new(H::KIND, payload)?).await
+    }
+
+    /// Enqueue a job this scheduler runs: its kind must be registered here, and its
+    /// queue (the first configured one when the job names none) one this scheduler
+    /// serves; a clear error otherwise, so no job waits for ever where nobody looks. A
+    /// producer that enqueues for other processes uses [`Store::enqueue`].
+    pub async fn enqueue_job(&self, job: NewJob) -> Result<JobId> {
+        let job = self.ours(job)?;
+        self.env().host_store.enqueue(job).await
+    }
+
+    /// Enqueue inside the caller's transaction (the same checks as
+    /// [`Scheduler::enqueue_job`]).
+    pub async fn enqueue_in(&self, conn: &mut PgConnection, job: NewJob) -> Result<JobId> {
+        let job = self.ours(job)?;
+        self.env().host_store.enqueue_in(conn, job).await
+    }
+
+    /// Enqueue many jobs in one statement (the same checks as
+    /// [`Scheduler::enqueue_job`], for each).
+    pub async fn enqueue_many(&self, jobs: Vec<NewJob>) -> Result<Vec<JobId>> {
+        let jobs = jobs
+            .into_iter()
+            .map(|j| self.ours(j))
+            .collect::<Result<Vec<_>>>()?;
+        self.env().host_store.enqueue_many(jobs).await
+    }
+
+    /// The job, in this scheduler's first queue when it names none, if this scheduler
+    /// runs it.
+    fn ours(&self, mut job: NewJob) -> Result<NewJob> {
+        let env = self.env();
+        if self.core.report.initialized() || env.stop_claiming.is_cancelled() {
+            return Err(Error::ShuttingDown);
+        }
+        if !env.registry.contains(&job.kind) {
+            return Err(Error::UnknownKind(job.kind.clone()));
+        }
+        let queues = &env.config.queues;
+        match &job.queue {
+            None => job.queue = Some(queues[0].clone()),
+            Some(q) if queues.contains(q) => {}
+            Some(q) => {
+                return Err(Error::InvalidInput {
+                    field: "queue",
+                    reason: format!(
+                        "{q:?} is not served by this scheduler (its queues: {queues:?}); enqueue \
+                         through Store::enqueue for a queue other processes serve"
+                    ),
+                })
+            }
+        }
+        Ok(job)
+    }
+
+    /// The store (over the host's pool): admin actions, job lookup, history.
+    pub fn store(&self) -> &Store {
+        &self.env().host_store
+    }
+
+    /// This scheduler's owner id (unique per start).
+    pub fn owner(&self) -> &OwnerId {
+        &self.env().owner
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.env().config
+    }
+
+    /// Counters, mailbox gauges and latencies of this scheduler.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.env().metrics.snapshot()
+    }
+
+    /// Queue figures from the database (all processes).
+    pub async fn queue_stats(&self) -> Result<Vec<QueueStats>> {
+        self.env().host_store.queue_stats().await
+    }
+
+    /// Run one reap pass now.
+    pub async fn reap_now(&self) -> Result<ReapReport> {
+        self.core
+            .reaper
+            .ask(ReapNow)
+            .await
+            .map_err(|_| Error::ShuttingDown)?
+    }
+
+    /// Renew every running lease now; returns (renewed, lost).
+    pub async fn renew_now(&self) -> Result<(usize, usize)> {
+        self.env()
+            .renewer
+            .ask(RenewNow)
+            .await
+            .map_err(|_| Error::ShuttingDown)
+    }
+
+    /// Stop: no new claims; running attempts get `shutdown_grace` to finish; the rest are
+    /// cancelled and their jobs released at once (claimable by any worker). Returns when
+    /// every actor has stopped and the scheduler's own connections are closed.
+    /// Idempotent: a second call (from any clone) waits for the first and returns the
+    /// same report. It runs on the scheduler's own thread, so it works from any runtime
+    /// or thread, also after the host's actix `System` stopped (actix-web's signal
+    /// handling does that on SIGTERM).
+    pub async fn shutdown(&self) -> Result<ShutdownReport> {
+        let core = self.core.clone();
+        Ok(core
+            .report
+            .get_or_init(|| core.clone().stop())
+            .await
+            .clone())
+    }
+}

@@ -1,0 +1,419 @@
+//! The scheduler's own thread: an actix `System` of its own runs the actors, and the
+//! shutdown.
+//!
+//! # Why a thread of its own
+//! The scheduler must start from any host (an actix-web app, axum, plain tokio) and stop
+//! cleanly in any order: when actix-web's signal handling stops the host's `System`, or
+//! when the host drops its handle, the scheduler's actors, connections and shutdown
+//! must not depend on the host's runtime still running. So every actor lives in a
+//! `System` of the scheduler's own, on a thread named after its owner id, with pools
+//! made there (see `pools`); the host's pool is only used from the host (enqueue, the
+//! handle's store) and from handlers.
+//!
+//! # Where handlers run
+//! On the runtime `start` was called from (the host's: an actix worker's arbiter, or a
+//! tokio runtime), so a handler uses the host's pool and clients on the runtime that
+//! made them; or, with `Config::handler_threads`, on a multi-thread runtime of the
+//! scheduler's own (CPU-heavy handlers then use every core and cannot stall the host).
+//!
+//! # Lifecycle
+//! `start` spawns the thread, builds the actors there and returns when they run. The
+//! shutdown runs on the scheduler's thread too, so any caller (another runtime, another
+//! thread, a `Drop`) can start it and wait for its report; at its end the `System`
+//! stops and the thread ends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use dashmap::DashMap;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::pools::{claim_session, SidePools};
+use super::ShutdownReport;
+use crate::actor::claimer::{Claimer, StopClaiming, MAX_CLAIMS_IN_FLIGHT};
+use crate::actor::completer::Completer;
+use crate::actor::lease_renewer::{LeaseRenewer, Running};
+use crate::actor::listener::{Channels, Listener};
+use crate::actor::reaper::Reaper;
+use crate::actor::{stopped, Metered, Slots, Stop};
+use crate::config::Config;
+use crate::context::CancelReason;
+use crate::env::Env;
+use crate::error::{Error, Result};
+use crate::handler::Registry;
+use crate::job::OwnerId;
+use crate::metrics::Metrics;
+use crate::store::Store;
+
+/// A running scheduler's parts, shared by its handles.
+pub(super) struct Core {
+    pub env: Arc<Env>,
+    pub claimer: Metered<Claimer>,
+    pub reaper: Metered<Reaper>,
+    listener: Option<Addr<Listener>>,
+    maintenance: std::sync::Mutex<Option<Arbiter>>,
+    /// The scheduler's own `System`: its arbiter runs the shutdown.
+    system: System,
+    /// The handlers' runtime, when `Config::handler_threads` asks for one.
+    handler_runtime: std::sync::Mutex<Option<tokio::runtime::Runtime>>,
+    /// Set once by the first shutdown; later calls get the same report.
+    pub report: tokio::sync::OnceCell<ShutdownReport>,
+}
+
+/// What the scheduler's thread sends back once its actors run.
+struct Started {
+    env: Arc<Env>,
+    claimer: Metered<Claimer>,
+    reaper: Metered<Reaper>,
+    listener: Option<Addr<Listener>>,
+    maintenance: Arbiter,
+    system: System,
+}
+
+/// Validate, migrate (with the host's pool, from the caller), then start the actors on
+/// the scheduler's own thread.
+pub(super) async fn start(pool: PgPool, config: Config, registry: Registry) -> Result<Arc<Core>> {
+    config.validate()?;
+    if registry.kinds().is_empty() {
+        return Err(Error::Config {
+            field: "handlers",
+            reason: "register at least one handler".into(),
+        });
+    }
+    let host_store = Store::for_config(pool.clone(), &config)?;
+    host_store.migrate().await?;
+    let owner = OwnerId::generate();
+    let (handler_runtime, handlers) = match config.handler_threads {
+        Some(n) => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(n)
+                .thread_name(format!("leasehold-handler {}", owner.short()))
+                .enable_all()
+                .build()
+                .map_err(|e| Error::Config {
+                    field: "handler_threads",
+                    reason: format!("cannot start the handlers' runtime: {e}"),
+                })?;
+            let handle = rt.handle().clone();
+            (Some(rt), handle)
+        }
+        None => (None, tokio::runtime::Handle::current()),
+    };
+    let side = SidePools {
+        connect: (*pool.connect_options()).clone(),
+        owner: owner.clone(),
+        config: config.clone(),
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let name = format!("leasehold {}", owner.short());
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            let system = System::new();
+            system.block_on(async move {
+                let started = build(side, config, registry, host_store, handlers);
+                let _ = tx.send(started);
+            });
+            // Until the shutdown stops this System.
+            let _ = system.run();
+        })
+        .map_err(|e| Error::Config {
+            field: "scheduler",
+            reason: format!("cannot start the scheduler's thread: {e}"),
+        })?;
+    let s = rx.await.map_err(|_| Error::Config {
+        field: "scheduler",
+        reason: "the scheduler's thread ended while starting".into(),
+    })?;
+    tracing::info!(owner = %s.env.owner, queues = ?s.env.config.queues, kinds = ?s.env.kinds, "leasehold scheduler started");
+    Ok(Arc::new(Core {
+        env: s.env,
+        claimer: s.claimer,
+        reaper: s.reaper,
+        listener: s.listener,
+        maintenance: std::sync::Mutex::new(Some(s.maintenance)),
+        system: s.system,
+        handler_runtime: std::sync::Mutex::new(handler_runtime),
+        report: tokio::sync::OnceCell::new(),
+    }))
+}
+
+/// Build the pools and start the actors; runs inside the scheduler's `System`.
+fn build(
+    side: SidePools,
+    config: Config,
+    registry: Registry,
+    host_store: Store,
+    handlers: tokio::runtime::Handle,
+) -> Started {
+    let owner = side.owner.clone();
+    let metrics = Arc::new(Metrics::default());
+    let store = host_store.with_pool(side.writer());
+    let maintenance = Arbiter::new();
+    let running: Running = Default::default();
+    let renewer = {
+        let (owner, config, m) = (owner.clone(), config.clone(), metrics.clone());
+        let running = running.clone();
+        let fresh = side.clone();
+        let addr = on_maintenance(&maintenance, &store, side.maker("renewer"), move |s| {
+            LeaseRenewer::new(
+                s,
+                Box::new(move || fresh.pool("renewer")),
+                owner,
+                running,
+                &config,
+                m,
+            )
+        });
+        Metered::new(addr, metrics.meter("lease_renewer"))
+    };
+    let reaper = {
+        let (owner, config, m) = (owner.clone(), config.clone(), metrics.clone());
+        let addr = on_maintenance(&maintenance, &store, side.maker("reaper"), move |s| {
+            Reaper::new(s, owner, &config, m)
+        });
+        Metered::new(addr, metrics.meter("reaper"))
+    };
+    let completer = Metered::new(
+        Completer::new(
+            store.clone(),
+            owner.clone(),
+            registry.kinds(),
+            &config,
+            metrics.clone(),
+        )
+        .start(),
+        metrics.meter("completer"),
+    );
+    let claim_store = store.with_pool(
+        PgPoolOptions::new()
+            .max_connections(MAX_CLAIMS_IN_FLIGHT as u32)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(claim_session(&side.connect, &owner)),
+    );
+    let env = Arc::new(Env {
+        claim_store,
+        store: store.clone(),
+        host_store,
+        handlers,
+        kinds: registry.kinds(),
+        registry,
+        owner: owner.clone(),
+        metrics: metrics.clone(),
+        slots: Slots::new(
+            config.concurrency,
+            config.completion_batch,
+            config.inflight_byte_budget,
+        ),
+        renewer,
+        completer,
+        claimer: Default::default(),
+        sequencers: DashMap::new(),
+        running: running.clone(),
+        stop_claiming: CancellationToken::new(),
+        hard_stop: CancellationToken::new(),
+        ready: Default::default(),
+        config: config.clone(),
+    });
+    let claimer = Metered::new(Claimer::new(env.clone()).start(), metrics.meter("claimer"));
+    let _ = env.claimer.set(claimer.clone());
+    let listener = config.listen.then(|| {
+        let channels = Channels {
+            wake: store.schema().channel(),
+            cancel: store.schema().cancel_channel(),
+        };
+        let (claimer, metrics, side) = (claimer.clone(), metrics.clone(), side.clone());
+        Listener::start_in_arbiter(&maintenance.handle(), move |_| {
+            Listener::new(side.pool("listener"), channels, claimer, running, metrics)
+        })
+    });
+    Started {
+        env,
+        claimer,
+        reaper,
+        listener,
+        maintenance,
+        system: System::current(),
+    }
+}
+
+/// Start a maintenance actor on `arbiter` over a store with its own one-connection pool.
+/// The pool is made on that arbiter's thread: a connection belongs to the runtime that
+/// opened it.
+fn on_maintenance<A, P>(
+    arbiter: &Arbiter,
+    store: &Store,
+    side_pool: P,
+    make: impl FnOnce(Store) -> A + Send + 'static,
+) -> Addr<A>
+where
+    A: Actor<Context = Context<A>>,
+    P: FnOnce() -> PgPool + Send + 'static,
+{
+    let store = store.clone();
+    A::start_in_arbiter(&arbiter.handle(), move |_| {
+        make(store.with_pool(side_pool()))
+    })
+}
+
+impl Core {
+    /// Run the shutdown on the scheduler's thread and wait for its report: from any
+    /// runtime or thread, whatever became of the host's.
+    pub async fn stop(self: Arc<Self>) -> ShutdownReport {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let me = self.clone();
+        let spawned = self.system.arbiter().spawn(async move {
+            let report = me.run_shutdown().await;
+            let _ = tx.send(report);
+            System::current().stop();
+        });
+        let report = match (spawned, rx.await) {
+            (true, Ok(report)) => report,
+            _ => {
+                tracing::warn!(owner = %self.env.owner, "leasehold scheduler thread was already gone at shutdown");
+                ShutdownReport {
+                    drained: 0,
+                    cancelled: self.env.running.len() as u64,
+                    metrics: self.env.metrics.snapshot(),
+                }
+            }
+        };
+        let handlers = self
+            .handler_runtime
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(rt) = handlers {
+            rt.shutdown_background();
+        }
+        report
+    }
+
+    /// Start the shutdown from anywhere without waiting for it (the last handle was
+    /// dropped): it runs on the scheduler's own thread.
+    pub fn stop_in_background(self: Arc<Self>) {
+        self.env.stop_claiming.cancel();
+        let arbiter = self.system.arbiter().clone();
+        let spawned = arbiter.spawn(async move {
+            let _ = self.report.get_or_init(|| self.clone().stop()).await;
+        });
+        if !spawned {
+            tracing::warn!(
+                "leasehold scheduler thread was already gone; leases of what it held will expire"
+            );
+        }
+    }
+
+    async fn run_shutdown(&self) -> ShutdownReport {
+        let env = self.env.clone();
+        let at_start = env
+            .metrics
+            .in_flight
+            .load(std::sync::atomic::Ordering::SeqCst);
+        // 1. Stop claiming, and wait out a claim statement already in flight.
+        env.stop_claiming.cancel();
+        loop {
+            match self.claimer.ask(StopClaiming).await {
+                Ok(true) => tokio::time::sleep(Duration::from_millis(2)).await,
+                _ => break,
+            }
+        }
+        // 2. Drain within the grace period.
+        let deadline = tokio::time::Instant::now() + env.config.shutdown_grace;
+        while in_flight(&env) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // 3. Cancel what is left; the executions release their jobs.
+        let left = env.running.len() as u64;
+        for entry in env.running.iter() {
+            entry.value().cancel(CancelReason::Shutdown);
+        }
+        env.hard_stop.cancel();
+        let release_deadline =
+            tokio::time::Instant::now() + Duration::from_secs(10) + env.config.lease;
+        while in_flight(&env) > 0 && tokio::time::Instant::now() < release_deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // 4. Stop the actors, and close the scheduler's own connections.
+        let all_stopped = self.stop_actors().await;
+        env.claim_store.pool().close().await;
+        env.store.pool().close().await;
+        if !all_stopped {
+            tracing::warn!("leasehold shutdown: an actor did not stop in time");
+        }
+        tracing::info!(owner = %env.owner, cancelled = left, "leasehold scheduler stopped");
+        ShutdownReport {
+            drained: at_start.saturating_sub(left),
+            cancelled: left,
+            metrics: env.metrics.snapshot(),
+        }
+    }
+
+    async fn stop_actors(&self) -> bool {
+        let env = &self.env;
+        let limit = Duration::from_secs(10);
+        let sequencers: Vec<_> = env.sequencers.iter().map(|e| e.value().clone()).collect();
+        env.sequencers.clear();
+        for s in &sequencers {
+            let _ = s.stop();
+        }
+        let _ = self.claimer.ask(Stop).await;
+        let _ = env.completer.ask(Stop).await;
+        let _ = env.renewer.ask(Stop).await;
+        let _ = self.reaper.ask(Stop).await;
+        if let Some(l) = &self.listener {
+            let _ = l.send(Stop).await;
+        }
+        let mut all_stopped = stopped(self.claimer.addr(), limit).await
+            & stopped(env.completer.addr(), limit).await
+            & stopped(env.renewer.addr(), limit).await
+            & stopped(self.reaper.addr(), limit).await;
+        if let Some(l) = &self.listener {
+            all_stopped &= stopped(l, limit).await;
+        }
+        let seq_deadline = tokio::time::Instant::now() + limit;
+        while env
+            .metrics
+            .sequencers
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > 0
+            && tokio::time::Instant::now() < seq_deadline
+        {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let maintenance = self
+            .maintenance
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(arbiter) = maintenance {
+            arbiter.stop();
+            let _ = tokio::task::spawn_blocking(move || arbiter.join()).await;
+        }
+        all_stopped
+    }
+}
+
+fn in_flight(env: &Env) -> u64 {
+    env.metrics
+        .in_flight
+        .load(std::sync::atomic::Ordering::SeqCst)
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        // A runtime may not be dropped where blocking is not allowed (inside another
+        // runtime): stop it in the background.
+        if let Some(rt) = self
+            .handler_runtime
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            rt.shutdown_background();
+        }
+    }
+}

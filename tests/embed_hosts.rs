@@ -1,0 +1,179 @@
+//! The scheduler embeds in any host and stops in any order: started from plain tokio
+//! (no actix `System`), stopped after the host's `System` itself has stopped, stopped
+//! from another thread, and with handlers on threads of their own.
+
+mod common;
+#[path = "common/scripted.rs"]
+mod scripted;
+#[path = "common/worker.rs"]
+mod worker;
+
+use std::time::{Duration, Instant};
+
+use common::{within, TestDb};
+use leasehold::{JobState, Scheduler, StoreOptions};
+use scripted::{scripted, work, Scripted};
+use worker::{fast_config, wait_until, OwnDb, POOL};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_tokio_host_runs_jobs_and_stops_cleanly() {
+    within(60, "tokio host", async {
+        let own = OwnDb::new("embed_tokio").await;
+        let db = &own.db;
+        let h = Scripted::new(&db.pool);
+        let scheduler = Scheduler::builder(db.pool.clone(), fast_config(&db.schema))
+            .register(h.clone())
+            .start()
+            .await
+            .expect("no actix System needed");
+        let mut ids = Vec::new();
+        for i in 0..20 {
+            let job = scripted(work(&format!("j{i}"), 5));
+            ids.push(
+                scheduler
+                    .enqueue_job(if i % 2 == 0 { job.with_key("k") } else { job })
+                    .await
+                    .unwrap(),
+            );
+        }
+        wait_until(20, "every job to be done", || async {
+            db.count_where("jobs", "state = 'done'").await == 20
+        })
+        .await;
+        let report = scheduler.shutdown().await.unwrap();
+        assert_eq!(report.metrics.in_flight, 0);
+        h.assert_keys_serial();
+        assert_eq!(h.log().len(), 20);
+        wait_until(10, "the scheduler's connections to close", || async {
+            own.scheduler_backends().await == 0
+        })
+        .await;
+        own.drop().await;
+    })
+    .await
+}
+
+#[test]
+fn shutdown_works_after_the_hosts_system_stopped_and_from_another_thread() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let db = runtime.block_on(TestDb::with_options(
+        "embed_stopped",
+        StoreOptions::default(),
+        POOL,
+    ));
+    let h = Scripted::new(&db.pool);
+    let (pool, schema, h2) = (db.pool.clone(), db.schema.clone(), h.clone());
+    // The host: an actix System on its own thread, which starts the scheduler, runs a
+    // long job, and then stops (as actix-web's signal handling stops a System).
+    let host = std::thread::spawn(move || {
+        let system = actix::System::new();
+        system.block_on(async move {
+            let scheduler = Scheduler::builder(pool, fast_config(&schema))
+                .register(h2.clone())
+                .start()
+                .await
+                .unwrap();
+            scheduler
+                .enqueue_job(scripted(work("long", 60_000)))
+                .await
+                .unwrap();
+            h2.started("long", 10).await;
+            actix::System::current().stop();
+            scheduler
+        })
+    });
+    let scheduler = host.join().expect("the host thread");
+    // The host's runtime is gone; the handler it ran was dropped with it. Shut down
+    // from yet another thread, on a runtime of its own.
+    let t0 = Instant::now();
+    let report = std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(async move { scheduler.shutdown().await })
+    })
+    .join()
+    .unwrap()
+    .expect("a report");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert_eq!(report.metrics.in_flight, 0, "{report:?}");
+    runtime.block_on(async {
+        let job = db
+            .count_where("jobs", "state = 'pending' AND attempts = 0")
+            .await;
+        assert_eq!(
+            job, 1,
+            "the interrupted job was released, not left to its lease"
+        );
+        assert!(
+            h.runs_tagged("long")[0].end.is_some(),
+            "the handler was stopped"
+        );
+        db.drop().await;
+    });
+}
+
+/// Hashes for `ms` milliseconds of CPU time, without yielding.
+struct Burn;
+
+impl leasehold::Handler for Burn {
+    type Payload = u64;
+    type Output = u64;
+    const KIND: &'static str = "burn";
+
+    async fn run(&self, _: leasehold::JobContext, ms: u64) -> Result<u64, leasehold::JobError> {
+        let until = Instant::now() + Duration::from_millis(ms);
+        let mut x: u64 = 1;
+        while Instant::now() < until {
+            for _ in 0..1000 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+            }
+        }
+        Ok(x)
+    }
+}
+
+#[test]
+fn handlers_on_threads_of_their_own_leave_the_host_thread_free() {
+    worker::run_in_system(within(60, "handler threads", async {
+        let db = TestDb::with_options("embed_handler_threads", StoreOptions::default(), POOL).await;
+        let mut config = fast_config(&db.schema);
+        config.handler_threads = Some(2);
+        let scheduler = Scheduler::builder(db.pool.clone(), config)
+            .register(Burn)
+            .start()
+            .await
+            .unwrap();
+        for _ in 0..4 {
+            scheduler
+                .enqueue_job(leasehold::NewJob::new("burn", &800u64).unwrap())
+                .await
+                .unwrap();
+        }
+        // While CPU-bound handlers run, the host's own thread keeps its pace.
+        let mut worst = Duration::ZERO;
+        let t0 = Instant::now();
+        while db.count_where("jobs", "state = 'done'").await < 4 {
+            let tick = Instant::now();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            worst = worst.max(tick.elapsed());
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the jobs did not finish"
+            );
+        }
+        scheduler.shutdown().await.unwrap();
+        assert!(
+            worst < Duration::from_millis(400),
+            "the host thread stalled for {worst:?}"
+        );
+        let done = db.count_where("jobs", "state = 'done'").await;
+        assert_eq!(done, 4);
+        assert_eq!(
+            db.store.job(leasehold::JobId(1)).await.unwrap().state,
+            JobState::Done
+        );
+        db.drop().await;
+    }))
+}
