@@ -1,0 +1,79 @@
+//! leasehold in a plain tokio service (no actix in the host: the same works under axum
+//! or tonic): start, enqueue, run, stop on Ctrl-C or SIGTERM.
+//!
+//!     cargo run --example tokio_service            # until Ctrl-C / SIGTERM
+//!     cargo run --example tokio_service -- --demo  # enqueue a few jobs, wait, stop
+//!
+//! The scheduler runs its actors on a thread of its own; its handlers run on this
+//! runtime (`Config::handler_threads` gives them threads of their own instead).
+//! Needs a local PostgreSQL (DATABASE_URL, default postgres://root@127.0.0.1:5432/postgres).
+
+use std::time::Duration;
+
+use leasehold::{Config, Handler, JobContext, JobError, NewJob, Scheduler};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize)]
+struct Greet {
+    name: String,
+}
+
+struct Greeter;
+
+impl Handler for Greeter {
+    type Payload = Greet;
+    type Output = String;
+    const KIND: &'static str = "greet";
+
+    async fn run(&self, ctx: JobContext, g: Greet) -> Result<String, JobError> {
+        let line = format!("hello, {} (job {}, attempt {})", g.name, ctx.job_id(), ctx.attempt());
+        println!("{line}");
+        Ok(line)
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter("leasehold=info")
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let demo = std::env::args().any(|a| a == "--demo");
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/postgres".into());
+    let pool = sqlx::PgPool::connect(&url).await?;
+    let config = Config {
+        schema: format!("tokio_example_{}", std::process::id()),
+        ..Config::default()
+    };
+    let scheduler = Scheduler::builder(pool.clone(), config.clone())
+        .register(Greeter)
+        .start()
+        .await?;
+    for name in ["ada", "grace", "edsger"] {
+        scheduler
+            .enqueue_job(NewJob::new("greet", &Greet { name: name.into() })?.with_key("greetings"))
+            .await?;
+    }
+    if demo {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    } else {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    let report = scheduler.shutdown().await?;
+    println!(
+        "stopped: {} completed, {} released",
+        report.metrics.counters.completed, report.cancelled
+    );
+    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", config.schema))
+        .execute(&pool)
+        .await?;
+    if demo && report.metrics.counters.completed != 3 {
+        return Err("expected three greetings".into());
+    }
+    Ok(())
+}
