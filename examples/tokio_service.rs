@@ -26,7 +26,12 @@ impl Handler for Greeter {
     const KIND: &'static str = "greet";
 
     async fn run(&self, ctx: JobContext, g: Greet) -> Result<String, JobError> {
-        let line = format!("hello, {} (job {}, attempt {})", g.name, ctx.job_id(), ctx.attempt());
+        let line = format!(
+            "hello, {} (job {}, attempt {})",
+            g.name,
+            ctx.job_id(),
+            ctx.attempt()
+        );
         println!("{line}");
         Ok(line)
     }

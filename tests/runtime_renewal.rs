@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use common::{within, TestDb};
 use leasehold::{CancelReason, JobState, NewJob, Scheduler, StoreOptions};
 use scripted::{scripted, work, Script, Scripted};
-use sqlx::postgres::PgPoolOptions;
 use sqlx::Connection;
 use worker::{config_with_lease, run_in_system, wait_until, POOL};
 
@@ -271,49 +270,47 @@ fn leases_lost_counts_no_job_that_ended_normally() {
 }
 
 #[test]
-fn finished_work_is_kept_while_the_pool_is_busy_for_longer_than_the_lease() {
-    run_in_system(within(90, "busy pool test", async {
-        let db = TestDb::with_options("rt_renew_busypool", StoreOptions::default(), 2).await;
-        // The host's pool: three connections, and a short acquire timeout, so a busy
-        // pool makes the completion write fail (and retry) rather than wait.
-        let pool = PgPoolOptions::new()
-            .max_connections(3)
-            .acquire_timeout(Duration::from_millis(200))
-            .connect_with(
-                common::base_options()
-                    .database(&common::test_db_name())
-                    .application_name(&db.app_name_of("host")),
-            )
-            .await
-            .unwrap();
-        let h = Scripted::new(&pool);
-        let scheduler = Scheduler::builder(pool.clone(), config_with_lease(&db.schema, LEASE))
+fn finished_work_is_kept_while_its_ending_cannot_be_written_for_longer_than_the_lease() {
+    run_in_system(within(90, "failing writes test", async {
+        let db = TestDb::with_options("rt_renew_writes", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let scheduler = Scheduler::builder(db.pool.clone(), config_with_lease(&db.schema, LEASE))
             .register(h.clone())
             .start()
             .await
             .unwrap();
         let id = scheduler
             .enqueue_job(scripted(Script {
-                gate: Some("pool-taken".into()),
+                gate: Some("writes-failing".into()),
                 ..work("job", 0)
             }))
             .await
             .unwrap();
         h.started("job", 10).await;
-        // The host's requests take every connection for three leases.
-        let mut taken = Vec::new();
-        for _ in 0..3 {
-            taken.push(
-                within(10, "take a connection", pool.acquire())
-                    .await
-                    .unwrap(),
-            );
-        }
-        h.open("pool-taken");
+        // For three leases, every connection the scheduler writes endings with is cut as
+        // soon as it opens (a flaky network, a busy pooler): the completion fails and is
+        // retried. Renewal, on its own connection, keeps the lease meanwhile.
+        let writer = format!("leasehold-writer {}", scheduler.owner().short());
+        let killer_pool = db.pool.clone();
+        let cutter = tokio::spawn(async move {
+            let until = tokio::time::Instant::now() + 3 * LEASE;
+            while tokio::time::Instant::now() < until {
+                let _: i64 = sqlx::query_scalar(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+                )
+                .bind(&writer)
+                .fetch_one(&killer_pool)
+                .await
+                .unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        h.open("writes-failing");
         h.ended("job", 10).await;
-        tokio::time::sleep(3 * LEASE).await;
+        tokio::time::sleep(2 * LEASE).await;
         assert_eq!(db.store.job(id).await.unwrap().state, JobState::Running);
-        drop(taken);
+        cutter.await.unwrap();
         wait_done(&db, &[id], 20).await;
         let m = scheduler.metrics();
         scheduler.shutdown().await.unwrap();
@@ -326,7 +323,6 @@ fn finished_work_is_kept_while_the_pool_is_busy_for_longer_than_the_lease() {
         assert_eq!(h.runs_of(id).len(), 1, "the finished job ran again");
         assert_eq!(db.count_where("lease_expiries", "true").await, 0);
         assert!(m.counters.completion_retries >= 1, "{:?}", m.counters);
-        pool.close().await;
         db.drop().await;
     }))
 }
