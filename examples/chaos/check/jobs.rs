@@ -234,7 +234,16 @@ fn walk_job(
             }
             "reaped" => {
                 reaped(c, job_id, e, open, f);
-                close(&mut open, e.at_us);
+                // The racing reaper stamps its reap with its own clock, running ahead:
+                // the lease it took really ended now, not at that stamp. Its victims'
+                // later overlaps are the fault's doing (excused, as in `execution`), so
+                // the interval closes at its claim: it cannot overlap anything later.
+                let at = if e.owner.as_deref() == Some(super::execution::RACE_REAPER) {
+                    open.map(|(_, start)| start).unwrap_or(e.at_us)
+                } else {
+                    e.at_us
+                };
+                close(&mut open, at);
                 ended = Some((e.generation, "reaped", e.at_us, attempts));
             }
             "held" => held = true,
