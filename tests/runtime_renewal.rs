@@ -287,23 +287,32 @@ fn finished_work_is_kept_while_its_ending_cannot_be_written_for_longer_than_the_
             .await
             .unwrap();
         h.started("job", 10).await;
-        // For three leases, every connection the scheduler writes endings with is cut as
-        // soon as it opens (a flaky network, a busy pooler): the completion fails and is
-        // retried. Renewal, on its own connection, keeps the lease meanwhile.
+        // For three leases, every connection the scheduler writes endings with is cut at
+        // the moment it writes this job's ending (a flaky network, a busy pooler): a trigger
+        // makes the writer's backend terminate itself, so the completion fails with a lost
+        // connection and is retried. Renewal, on its own connection, keeps the lease meanwhile.
         let writer = format!("leasehold-writer {}", scheduler.owner().short());
-        let killer_pool = db.pool.clone();
+        sqlx::raw_sql(&format!(
+            r#"CREATE FUNCTION "{s}".cut_writer() RETURNS trigger LANGUAGE plpgsql AS $f$
+               BEGIN
+                 IF current_setting('application_name') = '{writer}' THEN
+                   PERFORM pg_terminate_backend(pg_backend_pid());
+                   PERFORM pg_sleep(5);
+                 END IF;
+                 RETURN NEW;
+               END $f$;
+               CREATE TRIGGER cut_writer BEFORE UPDATE ON "{s}".jobs FOR EACH ROW
+                 WHEN (NEW.state = 'done') EXECUTE FUNCTION "{s}".cut_writer();"#,
+            s = db.schema
+        ))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let heal_pool = db.pool.clone();
+        let heal_sql = format!(r#"DROP TRIGGER cut_writer ON "{}".jobs"#, db.schema);
         let cutter = tokio::spawn(async move {
-            let until = tokio::time::Instant::now() + 3 * LEASE;
-            while tokio::time::Instant::now() < until {
-                let _: i64 = sqlx::query_scalar(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
-                )
-                .bind(&writer)
-                .fetch_one(&killer_pool)
-                .await
-                .unwrap();
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
+            tokio::time::sleep(3 * LEASE).await;
+            sqlx::raw_sql(&heal_sql).execute(&heal_pool).await.unwrap();
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
         h.open("writes-failing");
