@@ -2,7 +2,7 @@
 //! offline invariant checker (issue 5).
 //!
 //!     cargo run --example chaos -- short [--seed N]      # CI profile, a few minutes
-//!     cargo run --release --example chaos -- long        # >= 100,000 jobs, >= 500 faults
+//!     cargo run --release --example chaos -- long        # >= 100,000 jobs, >= 1,500 faults
 //!     cargo run --example chaos -- check target/chaos/<seed>
 //!     cargo run --example chaos -- selftest                   # the checker's own tests
 //!

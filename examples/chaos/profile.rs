@@ -1,5 +1,5 @@
 //! The two profiles: `short` (CI, a few minutes on 2 cores) and `long` (≥ 100,000 jobs,
-//! ≥ 500 faults).
+//! ≥ 1,500 faults).
 
 use std::time::Duration;
 
@@ -63,7 +63,7 @@ impl Profile {
             concurrency: 12,
             fault_phase: Duration::from_secs(25 * 60),
             jobs: 110_000,
-            min_faults: 500,
+            min_faults: 1500,
             // A hot key runs one job at a time; 25 minutes of faults leave a backlog on
             // it that only drains at the key's own pace.
             drain_limit: Duration::from_secs(600),
