@@ -7,7 +7,7 @@ use sqlx::PgPool;
 use super::peer::{self, Peer};
 use super::report::{self, Goal, Row, Stat};
 use super::throughput::EnqueueWay;
-use super::{footprint, latency, setup, throughput};
+use super::{footprint, latency, notify, setup, throughput};
 
 /// Workload sizes: the for the default run, smaller for `--quick`.
 pub struct Sizes {
@@ -258,6 +258,41 @@ impl Run {
             Stat::of(raw),
             "rows/s",
         ));
+    }
+
+    /// One job per transaction from 1 and 8 producers, with and without the NOTIFY the
+    /// enqueue statement sends, and leasehold's own enqueue at 8 (see bench/notify.rs).
+    pub async fn notify(&mut self) {
+        let (runs, n) = (self.runs, self.sizes.enqueue_one);
+        let cases = [
+            (notify::Way::RawQuiet, 1, "raw INSERT, no NOTIFY, 1 producer"),
+            (notify::Way::RawNotify, 1, "raw INSERT + NOTIFY, 1 producer"),
+            (notify::Way::RawQuiet, 8, "raw INSERT, no NOTIFY, 8 producers"),
+            (notify::Way::RawNotify, 8, "raw INSERT + NOTIFY, 8 producers"),
+            (notify::Way::Leasehold, 8, "leasehold enqueue, 8 producers"),
+        ];
+        let mut got: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+        setup::checkpoint(&self.store).await;
+        for r in 0..runs {
+            let mut line = format!("run {}/{runs}:", r + 1);
+            for (i, (way, producers, name)) in cases.iter().enumerate() {
+                let x = notify::producers(&self.store, *way, *producers, n).await;
+                line.push_str(&format!(" {name} {};", report::num(x)));
+                got[i].push(x);
+            }
+            say!("{line}");
+        }
+        let section = "enqueue one per transaction: the cost of NOTIFY";
+        for (i, (_, _, name)) in cases.iter().enumerate() {
+            let mut row = Row::new(section, format!("{name} ({n} rows)"), Stat::of(got[i].clone()), "rows/s");
+            row = match i {
+                1 => row.ratio(paired_ratio(&got[1], &got[0]), "no NOTIFY, 1"),
+                3 => row.ratio(paired_ratio(&got[3], &got[2]), "no NOTIFY, 8"),
+                4 => row.ratio(paired_ratio(&got[4], &got[2]), "raw, no NOTIFY, 8"),
+                _ => row,
+            };
+            self.rows.push(row);
+        }
     }
 
     /// Enqueue-to-start latency at a fixed offered rate: an idle queue, and half the

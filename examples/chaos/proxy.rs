@@ -70,7 +70,7 @@ impl Proxy {
                     o.fetch_add(1, SeqCst);
                     let _ = relay(client, upstream_port, m, pm.clone(), c, &seen).await;
                     if let Some(app) = seen.apps.lock().unwrap().remove(&seen.conn) {
-                        if pm.borrow().as_deref() == Some(app.as_str()) {
+                        if pm.borrow().as_deref().is_some_and(|p| app.starts_with(p)) {
                             seen.closed_held.fetch_add(1, SeqCst);
                         }
                     }

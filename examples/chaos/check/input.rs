@@ -142,10 +142,13 @@ pub struct Parts {
     pub metrics: BTreeMap<String, u64>,
 }
 
-/// Tell apart the epochs of each key: retention deletes a key's row once no job of it is
-/// open, and the key's next enqueue starts again at `key_seq` 1.
+/// Tell apart the epochs of each key.
 ///
-/// A deleted key row's `next_seq` is how many jobs its epoch had, and every job of a
+/// Since the hardening (key floors, migration 2) a key's `key_seq` never goes backwards,
+/// even when retention deletes its row: a key whose jobs all have distinct key_seqs is
+/// one epoch, whatever rows were deleted. The library before it restarted a key at
+/// `key_seq` 1 after retention deleted its row; for that case:
+/// a deleted key row's `next_seq` is how many jobs its epoch had, and every job of a
 /// later epoch has a larger id (its id is drawn after the key row is written, which is
 /// after the old row's deletion committed). So the key's jobs in id order are cut into
 /// runs of those sizes; each run must hold exactly the key_seqs 1..=n, or the key is
@@ -170,6 +173,10 @@ pub fn key_epochs(jobs: &[Job], keys: &[KeyRow]) -> (HashMap<i64, u32>, Vec<Stri
     let mut epoch = HashMap::new();
     let mut ambiguous = Vec::new();
     for (key, mut js) in by_key {
+        if seqs_distinct(&js) {
+            epoch.extend(js.iter().map(|j| (j.id, 0)));
+            continue;
+        }
         js.sort_by_key(|j| j.id);
         let mut sizes: Vec<i64> = Vec::new();
         if let Some(rows) = deleted.get_mut(&key) {
@@ -206,6 +213,15 @@ pub fn key_epochs(jobs: &[Job], keys: &[KeyRow]) -> (HashMap<i64, u32>, Vec<Stri
         }
     }
     (epoch, ambiguous)
+}
+
+/// Every job of the key has a key_seq and no two share one.
+fn seqs_distinct(js: &[&Job]) -> bool {
+    let mut seqs: Vec<i64> = js.iter().filter_map(|j| j.key_seq).collect();
+    let n = seqs.len();
+    seqs.sort_unstable();
+    seqs.dedup();
+    n == js.len() && seqs.len() == n
 }
 
 fn load<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> Result<Vec<T>, String> {

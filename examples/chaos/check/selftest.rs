@@ -168,6 +168,30 @@ fn key_epochs() -> Result<(), String> {
     }
 }
 
+/// Retention deleted the key row twice; key floors kept key_seq growing (2, then 3, 4),
+/// so every job of the key is in one epoch and order-checked.
+fn key_floors_one_epoch() -> Result<(), String> {
+    let mut s = Synth::new();
+    for (id, seq) in [(1, 1), (2, 2), (7, 3), (9, 4)] {
+        s.job(id, Some("k"), Some(seq), "done");
+    }
+    for (next_seq, at) in [(2, 300), (3, 600)] {
+        s.0.keys.push(KeyRow {
+            queue: "default".into(),
+            job_key: "k".into(),
+            next_seq,
+            deleted_at_us: Some(us(at)),
+        });
+    }
+    let input = Input::assemble(s.0);
+    match (input.epoch.len(), input.ambiguous_keys.len()) {
+        (4, 0) => Ok(()),
+        other => Err(format!(
+            "key floors: 4 jobs in one epoch and 0 ambiguous keys expected, got {other:?}"
+        )),
+    }
+}
+
 fn start_without_lease() -> Result<(), String> {
     let build = |start: i64| {
         let mut s = Synth::new();
@@ -430,7 +454,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 24] = [
+pub const CASES: [Case; 25] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -443,6 +467,7 @@ pub const CASES: [Case; 24] = [
     ("frozen_process_grace", frozen_process_grace),
     ("key_start_order", key_start_order),
     ("key_epochs", key_epochs),
+    ("key_floors_one_epoch", key_floors_one_epoch),
     ("start_without_lease", start_without_lease),
     ("start_after_lease_ran_out", start_after_lease_ran_out),
     ("start_after_release", start_after_release),
