@@ -77,6 +77,9 @@ pub(crate) struct Claimer {
     /// Jobs claimed ahead waited a lease without a free slot and were given back: claim
     /// none ahead until a slot is free again.
     ahead_paused: bool,
+    /// When the oldest job claimed ahead will have waited a lease (see
+    /// [`Claimer::schedule_give_back`]).
+    give_back_tick: Option<SpawnHandle>,
     meter: Arc<MailboxMeter>,
 }
 
@@ -85,6 +88,11 @@ pub(crate) struct Claimer {
 /// statement per freed slot. Never when the scheduler is idle (a NOTIFY on an idle
 /// scheduler claims at once).
 const COALESCE: Duration = Duration::from_millis(1);
+
+/// How long after the oldest waiting job's lease age its give-back pass runs: late
+/// enough that the job is past the age, and a give-back that failed is tried again at
+/// this pace, not in a tight loop.
+const GIVE_BACK_SLACK: Duration = Duration::from_millis(100);
 
 /// Claim statements in flight at once: a second one, for half a batch or more, overlaps
 /// the first (SKIP LOCKED keeps them apart), so claiming keeps up with fast handlers.
@@ -106,6 +114,7 @@ impl Claimer {
             more_waiting: true,
             backlog: false,
             ahead_paused: false,
+            give_back_tick: None,
             meter,
         }
     }
@@ -123,6 +132,25 @@ impl Claimer {
 
     fn claim(&mut self, ctx: &mut Context<Self>) {
         self.claim_after(ctx, false);
+        self.schedule_give_back(ctx);
+    }
+
+    /// A job claimed ahead waits at most a lease for a slot, then goes back to the queue
+    /// for other processes. With every slot busy no claim runs (nothing frees a slot, no
+    /// wake-up need come), so a timer set for the oldest waiting job's lease age runs
+    /// the claim pass that gives it back.
+    fn schedule_give_back(&mut self, ctx: &mut Context<Self>) {
+        if self.give_back_tick.is_some() || self.stopping {
+            return;
+        }
+        let Some(since) = self.env.ready.oldest_since() else {
+            return;
+        };
+        let due = (since + self.env.config.lease).saturating_duration_since(Instant::now());
+        self.give_back_tick = Some(ctx.run_later(due + GIVE_BACK_SLACK, |act, ctx| {
+            act.give_back_tick = None;
+            act.claim(ctx);
+        }));
     }
 
     /// Claim into the free slots; `waited`: the coalescing wait is over.
@@ -272,6 +300,7 @@ impl Claimer {
                                 act.claim(ctx);
                             } else {
                                 act.schedule(ctx, act.poll);
+                                act.schedule_give_back(ctx);
                             }
                         }
                         Err(e) => {

@@ -41,6 +41,11 @@ impl ReadyQueue {
     pub fn is_empty(&self) -> bool {
         self.lock().is_empty()
     }
+
+    /// Since when the oldest waiting job has waited.
+    pub fn oldest_since(&self) -> Option<Instant> {
+        self.lock().front().map(|(_, since)| *since)
+    }
 }
 
 /// Queue a claimed (tracked, byte-counted) job for the next free slot.

@@ -1,0 +1,141 @@
+//! Jobs claimed ahead of a free slot (`Config::claim_ahead`) are held by this process
+//! only as long as that is harmless: renewed while they wait, given back to the queue
+//! once they have waited a lease (even when no slot frees and no wake-up comes), and
+//! released at shutdown, never charged an attempt for the wait. Asserted on what the
+//! handlers ran and on the jobs' rows.
+
+mod common;
+#[path = "common/scripted.rs"]
+mod scripted;
+#[path = "common/worker.rs"]
+mod worker;
+
+use std::time::Duration;
+
+use common::{within, TestDb};
+use leasehold::{JobId, JobState, Scheduler, StoreOptions};
+use scripted::{scripted, work, Script, Scripted};
+use worker::{config_with_lease, run_in_system, wait_until, POOL};
+
+const LEASE: Duration = Duration::from_secs(1);
+
+/// One slot, four jobs ahead: a gated job takes the slot, and `n` quick jobs are then
+/// claimed ahead of it. Returns the scheduler and the quick jobs.
+async fn one_slot_full_and_jobs_ahead(
+    db: &TestDb,
+    h: &Scripted,
+    n: usize,
+) -> (Scheduler, Vec<JobId>) {
+    let mut config = config_with_lease(&db.schema, LEASE);
+    config.concurrency = 1;
+    config.claim_ahead = 4;
+    let a = Scheduler::builder(db.pool.clone(), config)
+        .register(h.clone())
+        .start()
+        .await
+        .unwrap();
+    a.enqueue_job(scripted(Script {
+        gate: Some("slot-busy".into()),
+        ..work("block", 0)
+    }))
+    .await
+    .unwrap();
+    h.started("block", 10).await;
+    // In one statement, so one claim takes them all (the queue is topped up in steps).
+    let ahead = a
+        .enqueue_many(
+            (0..n)
+                .map(|i| scripted(work(&format!("ahead{i}"), 0)))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    wait_until(10, "the jobs to be claimed ahead", || async {
+        a.metrics().ready == n as u64
+    })
+    .await;
+    for id in &ahead {
+        assert_eq!(db.store.job(*id).await.unwrap().state, JobState::Running);
+    }
+    assert!(a.metrics().counters.claimed_ahead >= n as u64);
+    (a, ahead)
+}
+
+#[test]
+fn jobs_claimed_ahead_are_given_back_after_a_lease_though_no_slot_frees() {
+    run_in_system(within(60, "claim-ahead give-back test", async {
+        let db = TestDb::with_options("rt_ahead_back", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let (a, ahead) = one_slot_full_and_jobs_ahead(&db, &h, 3).await;
+        // A second process with free slots. It can run the jobs only once the first
+        // gives them back: nothing frees the first one's slot, and no wake-up comes.
+        let mut config = config_with_lease(&db.schema, LEASE);
+        config.concurrency = 4;
+        config.claim_ahead = 0;
+        let b = Scheduler::builder(db.pool.clone(), config)
+            .register(h.clone())
+            .start()
+            .await
+            .unwrap();
+        wait_until(
+            4 * LEASE.as_secs(),
+            "the jobs claimed ahead to run elsewhere",
+            || async {
+                for id in &ahead {
+                    if db.store.job(*id).await.unwrap().state != JobState::Done {
+                        return false;
+                    }
+                }
+                true
+            },
+        )
+        .await;
+        assert!(
+            h.runs_tagged("block")[0].end.is_none(),
+            "the slot was still busy: the jobs went back without one freeing"
+        );
+        for id in &ahead {
+            let job = db.store.job(*id).await.unwrap();
+            assert_eq!(job.attempts, 1, "the wait was charged an attempt: {job:?}");
+            assert_eq!(h.runs_of(*id).len(), 1, "ran more than once");
+        }
+        assert_eq!(db.count_where("lease_expiries", "true").await, 0);
+        assert_eq!(a.metrics().ready, 0);
+        h.open("slot-busy");
+        h.ended("block", 10).await;
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+        db.drop().await;
+    }))
+}
+
+#[test]
+fn jobs_claimed_ahead_are_released_at_shutdown_without_an_attempt() {
+    run_in_system(within(60, "claim-ahead shutdown test", async {
+        let db = TestDb::with_options("rt_ahead_stop", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let (a, ahead) = one_slot_full_and_jobs_ahead(&db, &h, 4).await;
+        let opener = {
+            let h = h.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                h.open("slot-busy");
+            })
+        };
+        // The running job finishes within the grace; the waiting ones never start.
+        let report = a.shutdown().await.unwrap();
+        opener.await.unwrap();
+        assert_eq!(report.metrics.ready, 0);
+        for id in &ahead {
+            let job = db.store.job(*id).await.unwrap();
+            assert_eq!((job.state, job.attempts), (JobState::Pending, 0), "{job:?}");
+            assert!(h.runs_of(*id).is_empty(), "a job waiting at shutdown ran");
+        }
+        assert!(
+            report.metrics.counters.released >= 4,
+            "{:?}",
+            report.metrics.counters
+        );
+        db.drop().await;
+    }))
+}
