@@ -33,7 +33,9 @@ pub async fn producers(store: &Store, way: Way, producers: u64, n: u64) -> f64 {
          VALUES ('{QUEUE}', 'noop', 0, 'pending', jsonb_build_object('n', $1::int8), 12, 25, true) RETURNING queue"
     );
     let sql = match way {
-        Way::RawNotify => format!("WITH ins AS ({insert}) SELECT count(pg_notify($2, queue)) FROM ins"),
+        Way::RawNotify => {
+            format!("WITH ins AS ({insert}) SELECT count(pg_notify($2, queue)) FROM ins")
+        }
         _ => format!("WITH ins AS ({insert}) SELECT count(*) FROM ins WHERE $2::text IS NOT NULL"),
     };
     let channel = store.schema().channel();

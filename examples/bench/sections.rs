@@ -265,10 +265,22 @@ impl Run {
     pub async fn notify(&mut self) {
         let (runs, n) = (self.runs, self.sizes.enqueue_one);
         let cases = [
-            (notify::Way::RawQuiet, 1, "raw INSERT, no NOTIFY, 1 producer"),
+            (
+                notify::Way::RawQuiet,
+                1,
+                "raw INSERT, no NOTIFY, 1 producer",
+            ),
             (notify::Way::RawNotify, 1, "raw INSERT + NOTIFY, 1 producer"),
-            (notify::Way::RawQuiet, 8, "raw INSERT, no NOTIFY, 8 producers"),
-            (notify::Way::RawNotify, 8, "raw INSERT + NOTIFY, 8 producers"),
+            (
+                notify::Way::RawQuiet,
+                8,
+                "raw INSERT, no NOTIFY, 8 producers",
+            ),
+            (
+                notify::Way::RawNotify,
+                8,
+                "raw INSERT + NOTIFY, 8 producers",
+            ),
             (notify::Way::Leasehold, 8, "leasehold enqueue, 8 producers"),
         ];
         let mut got: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
@@ -284,7 +296,12 @@ impl Run {
         }
         let section = "enqueue one per transaction: the cost of NOTIFY";
         for (i, (_, _, name)) in cases.iter().enumerate() {
-            let mut row = Row::new(section, format!("{name} ({n} rows)"), Stat::of(got[i].clone()), "rows/s");
+            let mut row = Row::new(
+                section,
+                format!("{name} ({n} rows)"),
+                Stat::of(got[i].clone()),
+                "rows/s",
+            );
             row = match i {
                 1 => row.ratio(paired_ratio(&got[1], &got[0]), "no NOTIFY, 1"),
                 3 => row.ratio(paired_ratio(&got[3], &got[2]), "no NOTIFY, 8"),
