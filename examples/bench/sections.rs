@@ -26,6 +26,7 @@ pub struct Sizes {
     pub pending: i64,
     pub claim_iterations: usize,
     pub memory_keys: u64,
+    pub fresh_jobs: u64,
 }
 
 impl Sizes {
@@ -47,6 +48,7 @@ impl Sizes {
                 pending: 100_000,
                 claim_iterations: 30,
                 memory_keys: 2_000,
+                fresh_jobs: 5_000,
             }
         } else {
             Sizes {
@@ -65,6 +67,7 @@ impl Sizes {
                 pending: 1_000_000,
                 claim_iterations: 50,
                 memory_keys: 10_000,
+                fresh_jobs: 20_000,
             }
         }
     }
@@ -258,6 +261,48 @@ impl Run {
             Stat::of(raw),
             "rows/s",
         ));
+    }
+
+    /// Throughput on a never-analyzed table (fresh schema, bulk load, 10^5 delayed and
+    /// 10^5 other-queue rows beside the backlog), each run paired with the same load
+    /// after ANALYZE: the claim must not depend on planner statistics.
+    pub async fn fresh(&mut self) {
+        let (runs, beside) = (self.runs, self.sizes.pending);
+        let cases = [(1usize, self.sizes.e2e[0].1), (32, self.sizes.fresh_jobs)];
+        let section = "never-analyzed table: a bulk load beside delayed and other-queue rows (as many as the growth section's pending rows), no ANALYZE";
+        for (c, n) in cases {
+            let (mut fresh, mut analyzed) = (Vec::new(), Vec::new());
+            for r in 0..runs {
+                let f = throughput::throughput_fresh(&self.pool, self.history, c, n, beside, false)
+                    .await;
+                let a = throughput::throughput_fresh(&self.pool, self.history, c, n, beside, true)
+                    .await;
+                say!(
+                    "run {}/{runs}: concurrency {c}: never analyzed {} jobs/s, analyzed {}",
+                    r + 1,
+                    report::num(f),
+                    report::num(a)
+                );
+                fresh.push(f);
+                analyzed.push(a);
+            }
+            self.rows.push(
+                Row::new(
+                    section,
+                    format!("concurrency {c} ({n} jobs), never analyzed"),
+                    Stat::of(fresh.clone()),
+                    "jobs/s",
+                )
+                .ratio(paired_ratio(&fresh, &analyzed), "analyzed")
+                .goal(Goal::AtLeast(1.0 / 1.3)),
+            );
+            self.rows.push(Row::new(
+                section,
+                format!("concurrency {c} ({n} jobs), after ANALYZE"),
+                Stat::of(analyzed),
+                "jobs/s",
+            ));
+        }
     }
 
     /// One job per transaction from 1 and 8 producers, with and without the NOTIFY the

@@ -184,6 +184,29 @@ pub async fn insert_rows(store: &Store, state: &str, n: i64) {
     .expect("insert rows");
 }
 
+/// `n` delayed jobs (due tomorrow) and `n` jobs of another queue, which a claim of
+/// [`QUEUE`] must not walk.
+pub async fn insert_beside(store: &Store, n: i64) {
+    let s = store.schema().quoted();
+    sqlx::query(&format!(
+        "INSERT INTO {s}.jobs (queue, kind, state, payload, payload_bytes, max_attempts, available_at)
+         SELECT q, 'noop', 'pending', jsonb_build_object('n', g), 10, 25,
+                CASE WHEN q = '{QUEUE}' THEN now() + interval '1 day' ELSE now() - interval '1 hour' END
+         FROM generate_series(1, $1) g, (VALUES ('{QUEUE}'), ('bench_other')) AS v(q)"
+    ))
+    .bind(n)
+    .execute(store.pool())
+    .await
+    .expect("insert delayed and other-queue rows");
+}
+
+pub async fn drop_schema(pool: &PgPool, schema: &str) {
+    sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .execute(pool)
+        .await
+        .expect("drop schema");
+}
+
 /// The machine the run ran on.
 pub fn machine() -> Vec<(String, String)> {
     let cores = std::thread::available_parallelism()

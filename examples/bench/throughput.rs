@@ -111,6 +111,36 @@ pub async fn throughput(store: &Store, concurrency: usize, n: u64, history: bool
     .await
 }
 
+/// Jobs/s of a no-op scheduler draining `n` jobs bulk-loaded into a fresh schema beside
+/// `beside` delayed jobs and `beside` jobs of another queue: as a new user's table is
+/// after a bulk load with autovacuum not yet (or never) run. `analyzed`: the same, after
+/// an ANALYZE, for the paired figure.
+pub async fn throughput_fresh(
+    pool: &sqlx::PgPool,
+    history: bool,
+    concurrency: usize,
+    n: u64,
+    beside: i64,
+    analyzed: bool,
+) -> f64 {
+    let store = setup::fresh_schema(pool, "bench_fresh", history).await;
+    setup::raw_copy(&store, "noop", n).await;
+    setup::insert_beside(&store, beside).await;
+    if analyzed {
+        setup::analyze(&store).await;
+    }
+    let x = drain_noop(
+        &store,
+        concurrency,
+        history,
+        n,
+        Duration::from_secs(60 + n / 50),
+    )
+    .await;
+    setup::drop_schema(pool, "bench_fresh").await;
+    x
+}
+
 /// Start a no-op scheduler on the loaded table and time it until `n` jobs completed;
 /// jobs/s.
 async fn drain_noop(
@@ -123,7 +153,9 @@ async fn drain_noop(
     let done = Arc::new(AtomicU64::new(0));
     let cpu0 = setup::cpu_secs();
     let t0 = Instant::now();
-    let s = Scheduler::builder(store.pool().clone(), config(concurrency, history))
+    let mut cfg = config(concurrency, history);
+    cfg.schema = store.schema().name().to_string();
+    let s = Scheduler::builder(store.pool().clone(), cfg)
         .register(Noop { done: done.clone() })
         .start()
         .await
