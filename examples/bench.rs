@@ -6,7 +6,7 @@
 //!     cargo run --release --example bench -- --quick   # smaller sizes, a smoke run
 //!
 //! Other flags: `--runs N` (default 3; every figure is the median of N runs, printed
-//! with the spread), `--only ceiling,e2e,fresh,enqueue,notify,latency,keyed,hot,growth,memory,peer`
+//! with the spread), `--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,peer`
 //! (`micro`: a statement-cost diagnostic; `peer`: graphile_worker, the fastest peer, with its
 //! documented throughput recipe, each figure right after leasehold's matching run — unkeyed
 //! at concurrency 1 and 32, keyed, idle latency — see `bench/peer.rs`),
@@ -110,7 +110,7 @@ fn args() -> Args {
 }
 
 const HELP: &str = "usage: bench [--json] [--quick] [--runs N] [--pool N] [--history] \
-[--only ceiling,e2e,fresh,enqueue,notify,latency,keyed,hot,growth,memory,peer]";
+[--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,peer]";
 
 #[actix::main]
 async fn main() {
@@ -165,6 +165,9 @@ async fn main() {
     }
     if want("fresh") {
         run.fresh().await;
+    }
+    if want("cpu") {
+        run.cpu().await;
     }
     if want("notify") {
         run.notify().await;

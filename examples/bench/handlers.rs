@@ -29,6 +29,49 @@ impl Handler for Noop {
     }
 }
 
+/// Burns about `CPU_WORK` of one core (SHA-256 rounds, sized once at start), then
+/// counts: a CPU-bound handler, to see handlers use the threads they are given.
+pub struct Cpu {
+    pub done: Arc<AtomicU64>,
+    pub rounds: u64,
+}
+
+/// What one [`Cpu`] job costs on one core.
+pub const CPU_WORK: Duration = Duration::from_millis(2);
+
+impl Cpu {
+    /// Rounds of hashing that take [`CPU_WORK`] on this machine (measured on the calling
+    /// thread).
+    pub fn calibrate() -> u64 {
+        let t = Instant::now();
+        let n = 20_000;
+        std::hint::black_box(hash_rounds(n));
+        let per = t.elapsed().as_secs_f64() / n as f64;
+        (CPU_WORK.as_secs_f64() / per).max(1.0) as u64
+    }
+}
+
+fn hash_rounds(n: u64) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut h = [0u8; 32];
+    for _ in 0..n {
+        h = Sha256::digest(h).into();
+    }
+    h
+}
+
+impl Handler for Cpu {
+    type Payload = serde_json::Value;
+    type Output = ();
+    const KIND: &'static str = "noop";
+
+    async fn run(&self, _: JobContext, _: serde_json::Value) -> Result<(), JobError> {
+        std::hint::black_box(hash_rounds(self.rounds));
+        self.done.fetch_add(1, Relaxed);
+        Ok(())
+    }
+}
+
 /// Records when each job (payload `{"n": ..}`) started.
 pub struct Probe {
     pub starts: Arc<Mutex<HashMap<u64, Instant>>>,

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 use super::peer::{self, Peer};
 use super::report::{self, Goal, Row, Stat};
 use super::throughput::EnqueueWay;
-use super::{footprint, latency, notify, setup, throughput};
+use super::{footprint, handlers, latency, notify, setup, throughput};
 
 /// Workload sizes: the for the default run, smaller for `--quick`.
 pub struct Sizes {
@@ -27,6 +27,7 @@ pub struct Sizes {
     pub claim_iterations: usize,
     pub memory_keys: u64,
     pub fresh_jobs: u64,
+    pub cpu_jobs: u64,
 }
 
 impl Sizes {
@@ -49,6 +50,7 @@ impl Sizes {
                 claim_iterations: 30,
                 memory_keys: 2_000,
                 fresh_jobs: 5_000,
+                cpu_jobs: 500,
             }
         } else {
             Sizes {
@@ -68,6 +70,7 @@ impl Sizes {
                 claim_iterations: 50,
                 memory_keys: 10_000,
                 fresh_jobs: 20_000,
+                cpu_jobs: 3_000,
             }
         }
     }
@@ -303,6 +306,44 @@ impl Run {
                 "jobs/s",
             ));
         }
+    }
+
+    /// CPU-bound handlers on one thread (the scheduler's starting runtime, as in an
+    /// actix app by default) and on `handler_threads` = every core.
+    pub async fn cpu(&mut self) {
+        let runs = self.runs;
+        let n = self.sizes.cpu_jobs;
+        let cores = std::thread::available_parallelism().map_or(2, |c| c.get());
+        let rounds = handlers::Cpu::calibrate();
+        let (mut one, mut all) = (Vec::new(), Vec::new());
+        for r in 0..runs {
+            let a = throughput::cpu_bound(&self.store, None, n, rounds).await;
+            let b = throughput::cpu_bound(&self.store, Some(cores), n, rounds).await;
+            say!(
+                "run {}/{runs}: CPU-bound handlers: host thread {} jobs/s, {cores} handler threads {}",
+                r + 1,
+                report::num(a),
+                report::num(b)
+            );
+            one.push(a);
+            all.push(b);
+        }
+        let section = "CPU-bound handlers (~2 ms of one core each), concurrency 8";
+        self.rows.push(Row::new(
+            section,
+            format!("on the host's one thread ({n} jobs)"),
+            Stat::of(one.clone()),
+            "jobs/s",
+        ));
+        self.rows.push(
+            Row::new(
+                section,
+                format!("handler_threads = {cores} ({n} jobs)"),
+                Stat::of(all.clone()),
+                "jobs/s",
+            )
+            .ratio(paired_ratio(&all, &one), "one thread"),
+        );
     }
 
     /// One job per transaction from 1 and 8 producers, with and without the NOTIFY the

@@ -1,7 +1,7 @@
 //! Throughput: the raw-SQL ceiling, leasehold end to end, enqueue, keyed work, and the
 //! statement-cost diagnostic.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,7 +10,7 @@ use serde_json::json;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::Connection;
 
-use super::handlers::{config, debug_metrics, noop_job, wait_until, Noop};
+use super::handlers::{config, debug_metrics, noop_job, wait_until, Cpu, Noop};
 use super::report::percentile;
 use super::setup::{self, QUEUE};
 
@@ -139,6 +139,37 @@ pub async fn throughput_fresh(
     .await;
     setup::drop_schema(pool, "bench_fresh").await;
     x
+}
+
+/// Jobs/s of CPU-bound handlers ([`Cpu`], ~2 ms of one core each) at concurrency 8,
+/// with handlers on the scheduler's starting runtime (`threads` None: one thread here)
+/// or on `Config::handler_threads` threads.
+pub async fn cpu_bound(store: &Store, threads: Option<usize>, n: u64, rounds: u64) -> f64 {
+    setup::reset(store).await;
+    setup::raw_copy(store, "noop", n).await;
+    setup::analyze(store).await;
+    let done = Arc::new(AtomicU64::new(0));
+    let mut cfg = config(8, false);
+    cfg.schema = store.schema().name().to_string();
+    cfg.handler_threads = threads;
+    let t0 = Instant::now();
+    let s = Scheduler::builder(store.pool().clone(), cfg)
+        .register(Cpu {
+            done: done.clone(),
+            rounds,
+        })
+        .start()
+        .await
+        .expect("start scheduler");
+    wait_until(
+        "the CPU-bound jobs to drain",
+        Duration::from_secs(60 + n / 20),
+        || done.load(Relaxed) >= n,
+    )
+    .await;
+    let took = t0.elapsed().as_secs_f64();
+    s.shutdown().await.expect("shutdown");
+    n as f64 / took
 }
 
 /// Start a no-op scheduler on the loaded table and time it until `n` jobs completed;
