@@ -62,7 +62,8 @@ WITH input AS (
 )
 SELECT id,
        (SELECT count(pg_notify($11, left(q.queue, 1000)))
-          FROM (SELECT DISTINCT queue FROM ins WHERE state = 'pending') q) AS notified
+          FROM (SELECT DISTINCT queue FROM ins WHERE state = 'pending' AND $11::text IS NOT NULL) q) AS notified,
+       CASE WHEN state = 'pending' THEN queue END AS wake
 FROM ins
 ORDER BY id"#;
 
@@ -233,8 +234,8 @@ impl Store {
 
     /// Enqueue one job in its own transaction.
     pub async fn enqueue(&self, job: NewJob) -> Result<JobId> {
-        let mut conn = self.pool().acquire().await?;
-        self.enqueue_in(&mut conn, job).await
+        let ids = self.enqueue_many(vec![job]).await?;
+        Ok(ids[0])
     }
 
     /// Enqueue one job inside the caller's transaction: if it rolls back, the job never
@@ -246,13 +247,31 @@ impl Store {
 
     /// Enqueue many jobs with one statement. Ids come back in input order. All or none:
     /// one invalid job refuses the whole batch before anything is written.
+    ///
+    /// Its own transaction: with other enqueues of this store in flight, the wake-up is
+    /// sent after the commit and shared with theirs (see `store/wakeups.rs`), so
+    /// concurrent producers' commits are not serialized by NOTIFY.
     pub async fn enqueue_many(&self, jobs: Vec<NewJob>) -> Result<Vec<JobId>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (in_flight, alone) = self.wakeups().begin();
         let mut conn = self.pool().acquire().await?;
-        self.enqueue_many_in(&mut conn, jobs).await
+        let rows = self.write_jobs(&mut conn, jobs, alone).await?;
+        drop(conn);
+        drop(in_flight);
+        let ids = rows.iter().map(|(id, _)| *id).collect();
+        if !alone {
+            let queues: Vec<String> = rows.into_iter().filter_map(|(_, wake)| wake).collect();
+            if !queues.is_empty() {
+                self.wake_after_commit(queues).await;
+            }
+        }
+        Ok(ids)
     }
 
-    /// [`Store::enqueue_many`] inside the caller's transaction.
-    #[tracing::instrument(name = "leasehold.enqueue", level = "debug", skip_all, fields(n = jobs.len()))]
+    /// [`Store::enqueue_many`] inside the caller's transaction (its NOTIFY is delivered
+    /// at the caller's commit).
     pub async fn enqueue_many_in(
         &self,
         conn: &mut PgConnection,
@@ -261,8 +280,22 @@ impl Store {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
+        let rows = self.write_jobs(conn, jobs, true).await?;
+        Ok(rows.into_iter().map(|(id, _)| id).collect())
+    }
+
+    /// The enqueue statement; `notify`: it sends its own wake-up. Each job's id, and its
+    /// queue when it went in pending (so a later wake-up knows what to announce).
+    #[tracing::instrument(name = "leasehold.enqueue", level = "debug", skip_all, fields(n = jobs.len()))]
+    async fn write_jobs(
+        &self,
+        conn: &mut PgConnection,
+        jobs: Vec<NewJob>,
+        notify: bool,
+    ) -> Result<Vec<(JobId, Option<String>)>> {
         let c = self.columns(jobs)?;
-        let rows: Vec<(i64, i64)> = sqlx::query_as(&self.sql().enqueue)
+        let channel = notify.then(|| self.schema().channel());
+        let rows: Vec<(i64, i64, Option<String>)> = sqlx::query_as(&self.sql().enqueue)
             .bind(&c.queue)
             .bind(&c.kind)
             .bind(&c.key)
@@ -273,9 +306,12 @@ impl Store {
             .bind(&c.payload)
             .bind(&c.payload_bytes)
             .bind(&c.dead_blocks_key)
-            .bind(self.schema().channel())
+            .bind(channel)
             .fetch_all(&mut *conn)
             .await?;
-        Ok(rows.into_iter().map(|(id, _)| JobId(id)).collect())
+        Ok(rows
+            .into_iter()
+            .map(|(id, _, wake)| (JobId(id), wake))
+            .collect())
     }
 }

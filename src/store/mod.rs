@@ -24,6 +24,7 @@ mod migrate;
 mod reap;
 mod schema;
 mod stats;
+mod wakeups;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -111,6 +112,7 @@ struct Inner {
     schema: Schema,
     options: StoreOptions,
     sql: Statements,
+    wakeups: wakeups::Wakeups,
 }
 
 impl Store {
@@ -124,6 +126,7 @@ impl Store {
                 schema,
                 options,
                 sql,
+                wakeups: wakeups::Wakeups::default(),
             }),
         })
     }
@@ -149,6 +152,7 @@ impl Store {
                 schema: i.schema.clone(),
                 options: i.options.clone(),
                 sql,
+                wakeups: wakeups::Wakeups::default(),
             }),
         }
     }
@@ -167,6 +171,10 @@ impl Store {
 
     pub(crate) fn sql(&self) -> &Statements {
         &self.inner.sql
+    }
+
+    pub(crate) fn wakeups(&self) -> &wakeups::Wakeups {
+        &self.inner.wakeups
     }
 }
 
