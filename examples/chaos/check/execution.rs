@@ -152,14 +152,38 @@ pub fn zombie_grace_ns(c: &Input) -> i64 {
     (c.run.renew_ms as i64 + 1000) * 1_000_000
 }
 
-/// SIGSTOP windows per worker id: (stopped, resumed), mono.
-fn frozen(c: &Input) -> HashMap<usize, Vec<(i64, i64)>> {
-    let mut out: HashMap<usize, Vec<(i64, i64)>> = HashMap::new();
+/// SIGSTOP windows per worker id: (stopped, resumed, grace left after resuming), mono.
+/// Windows closer together than the grace are one freeze: the process ran only between
+/// them, and that running time is taken from the grace it has after the last one (two
+/// SIGSTOPs 3 ms apart left a handler no time to stop in between).
+fn frozen(c: &Input) -> HashMap<usize, Vec<(i64, i64, i64)>> {
+    let grace = zombie_grace_ns(c);
+    let mut raw: HashMap<usize, Vec<(i64, i64)>> = HashMap::new();
     for f in c.faults.iter().filter(|f| f.kind == "sigstop" && f.hit) {
         if let Some(w) = f.target.strip_prefix('w').and_then(|w| w.parse().ok()) {
-            out.entry(w)
+            raw.entry(w)
                 .or_default()
                 .push((f.start_mono_ns, f.end_mono_ns));
+        }
+    }
+    raw.into_iter()
+        .map(|(w, mut ws)| {
+            ws.sort_unstable();
+            (w, merge_freezes(&ws, grace))
+        })
+        .collect()
+}
+
+/// See [`frozen`]: sorted (stopped, resumed) windows → merged (stopped, resumed, grace).
+pub fn merge_freezes(ws: &[(i64, i64)], grace: i64) -> Vec<(i64, i64, i64)> {
+    let mut out: Vec<(i64, i64, i64)> = Vec::new();
+    for &(stop, cont) in ws {
+        match out.last_mut() {
+            Some(last) if stop - last.1 < last.2 => {
+                last.2 -= (stop - last.1).max(0);
+                last.1 = last.1.max(cont);
+            }
+            _ => out.push((stop, cont, grace)),
         }
     }
     out
@@ -208,7 +232,6 @@ pub const RACE_REAPER: &str = "chaos-reaper-race";
 fn overlap(c: &Input, all: &[Attempt], f: &mut Findings, s: &mut Stats) {
     let frozen = frozen(c);
     let raced = race_reaped(c);
-    let grace = zombie_grace_ns(c);
     let mut groups: BTreeMap<String, Vec<&Attempt>> = BTreeMap::new();
     for a in all {
         let g = match &a.key {
@@ -224,8 +247,8 @@ fn overlap(c: &Input, all: &[Attempt], f: &mut Findings, s: &mut Stats) {
             active.retain(|a| a.end_mono > b.start_mono + MONO_BOUND_NS);
             for a in &active {
                 let excused = frozen.get(&a.w).is_some_and(|ws| {
-                    ws.iter().any(|(stop, cont)| {
-                        a.start_mono <= *cont && *stop <= b.start_mono && a.end_mono <= cont + grace
+                    ws.iter().any(|(stop, cont, left)| {
+                        a.start_mono <= *cont && *stop <= b.start_mono && a.end_mono <= cont + left
                     })
                 });
                 if excused {

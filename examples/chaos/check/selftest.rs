@@ -192,6 +192,17 @@ fn key_floors_one_epoch() -> Result<(), String> {
     }
 }
 
+/// Two SIGSTOPs 3 ms apart are one freeze, with the 3 ms taken from the grace after it;
+/// two far apart stay two.
+fn freezes_back_to_back() -> Result<(), String> {
+    let merged = execution::merge_freezes(&[(0, 100), (103, 200), (1_000, 1_100)], 50);
+    if merged == vec![(0, 200, 47), (1_000, 1_100, 50)] {
+        Ok(())
+    } else {
+        Err(format!("freeze windows merged wrongly: {merged:?}"))
+    }
+}
+
 fn start_without_lease() -> Result<(), String> {
     let build = |start: i64| {
         let mut s = Synth::new();
@@ -454,7 +465,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 25] = [
+pub const CASES: [Case; 26] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -468,6 +479,7 @@ pub const CASES: [Case; 25] = [
     ("key_start_order", key_start_order),
     ("key_epochs", key_epochs),
     ("key_floors_one_epoch", key_floors_one_epoch),
+    ("freezes_back_to_back", freezes_back_to_back),
     ("start_without_lease", start_without_lease),
     ("start_after_lease_ran_out", start_after_lease_ran_out),
     ("start_after_release", start_after_release),
