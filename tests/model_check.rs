@@ -92,9 +92,11 @@ fn hardened_design_keeps_every_property_in_the_bounded_configuration() {
 
 #[test]
 fn renewal_that_waits_on_a_lock_lets_a_healthy_process_lose_its_leases() {
-    // A completion holds its job row and waits for the key row of an open host
-    // transaction; the old RENEW waits on that job row and renews nothing meanwhile.
-    let cfg = Config::bounded().quiet();
+    // Under the old lock order a completion holds its job row and waits for the key row
+    // of an open host transaction; the old RENEW waits on that job row and renews
+    // nothing meanwhile. (The code's order, key rows first, leaves no job row held.)
+    let mut cfg = Config::bounded().quiet();
+    cfg.defects.job_row_before_key_row = true;
     assert_found(
         "renewal waits on locks",
         cfg,
@@ -107,6 +109,7 @@ fn renewal_that_waits_on_a_lock_lets_a_healthy_process_lose_its_leases() {
 fn renewal_that_waits_on_a_lock_without_a_local_deadline_runs_two_handlers_of_a_key() {
     let mut cfg = Config::bounded().quiet();
     cfg.defects.no_local_deadline = true;
+    cfg.defects.job_row_before_key_row = true;
     let switch = |c: &mut Config| c.defects.renewal_waits_on_locks = true;
     assert_found(
         "renewal waits on locks, no local deadline",
