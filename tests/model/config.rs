@@ -141,6 +141,25 @@ impl Config {
         }
     }
 
+    /// Claim-ahead (the default path of the code, `Config::claim_ahead`): 2 jobs on 2
+    /// keys (the second enqueued by the host transaction), 2 processes of 1 slot with
+    /// room for 1 job claimed ahead; one fault of any kind, a graceful shutdown and a
+    /// give-back whose reply is lost among them; no operator action. (Claim-ahead on
+    /// top of [`Config::bounded`] is more than `cargo test` can exhaust.)
+    pub fn claim_ahead() -> Config {
+        let mut cfg = Config::sized(2, 2, 2);
+        cfg.slots = 1;
+        cfg.ahead = 1;
+        cfg.budget.shutdowns = 1;
+        cfg.budget.lost_replies = 1;
+        cfg.budget.cancels = 0;
+        cfg.budget.holds = 0;
+        cfg.budget.retries = 0;
+        cfg.budget.prunes = 0;
+        cfg.budget.operator = 0;
+        cfg
+    }
+
     /// `jobs` jobs spread over `keys` keys (the last one enqueued by the host
     /// transaction), `procs` processes; otherwise as [`Config::bounded`].
     pub fn sized(jobs: usize, keys: u8, procs: u8) -> Config {

@@ -246,9 +246,13 @@ impl State {
         if key_busy && !cfg.defects.job_row_before_key_row {
             return;
         }
-        let owner = self.rows[job as usize].owner;
-        let healthy =
-            self.procs[owner as usize].up != Up::Crashed && self.ghost.faulted & (1 << owner) == 0;
+        let r = self.rows[job as usize];
+        let owner = r.owner;
+        // A lease its owner let go (a RELEASE that left a cancelled job's row to its
+        // expiry, a give-back whose reply was lost) is no loss of a healthy process.
+        let healthy = self.procs[owner as usize].up != Up::Crashed
+            && self.ghost.faulted & (1 << owner) == 0
+            && self.attempt(owner, job, r.generation).is_some();
         if healthy {
             self.ghost.broken |= broken::HEALTHY_LEASE_LOST;
         }

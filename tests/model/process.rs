@@ -16,9 +16,9 @@
 //! before CLAIM) matter only to a chained successor arriving meanwhile, which then finds
 //! no slot and waits in the ready queue: that step may queue it even though a slot
 //! looks free. Not modelled: the finishing backpressure (`finishing_max`) and the byte
-//! budget, which only delay claims; the claimer's `ahead_paused` (after a give-back it
-//! claims nothing ahead until a slot frees), which only keeps it from taking the same
-//! jobs again, and which the checker covers by trying every schedule.
+//! budget, which only delay claims. The claimer's `ahead_paused` is modelled (after a
+//! give-back it claims nothing ahead until a slot is free): without it give-back and
+//! claim-ahead could loop, each claim a new generation, and the state space is infinite.
 
 use super::config::EffectStore;
 use super::config::{Config, JobId, ProcId};
@@ -178,6 +178,9 @@ impl State {
         }
         self.start_ready(cfg, p);
         let slots = self.free_slots(cfg, p);
+        if slots > 0 {
+            self.procs[p as usize].ahead_paused = false;
+        }
         let room = self.ahead_room(cfg, p);
         for (n, (job, gen)) in self.claim(cfg, p, slots + room).into_iter().enumerate() {
             if n < slots as usize {
@@ -189,6 +192,9 @@ impl State {
     }
 
     fn ahead_room(&self, cfg: &Config, p: ProcId) -> u8 {
+        if self.procs[p as usize].ahead_paused && self.free_slots(cfg, p) == 0 {
+            return 0;
+        }
         cfg.ahead.saturating_sub(self.ready_queue(p).len() as u8)
     }
 
@@ -230,6 +236,7 @@ impl State {
             .into_iter()
             .filter(|a| matches!(a.phase, Phase::ReadyQueue { waited } if waited > cfg.lease))
             .collect();
+        self.procs[p as usize].ahead_paused = true;
         for a in old {
             self.release(cfg, a.job, p, a.gen);
             if !(lost_reply && cfg.defects.give_back_error_keeps_jobs) {
@@ -401,13 +408,16 @@ impl State {
         self.after_write(cfg, p, job, gen, ending, written, park);
     }
 
-    /// A waiting ending transaction gets its key row and commits.
+    /// A waiting ending transaction gets its key row, then runs its fenced UPDATE.
     pub fn resume(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, park: bool) {
         let phase = self.attempt(p, job, gen).expect("attempt").phase;
         let Phase::Writing { ending, began } = phase else {
             unreachable!("only a waiting transaction resumes")
         };
+        // Its fenced UPDATE runs only now, after the key row (the job row was not held
+        // meanwhile): the job may have been reaped and claimed again while it waited.
         let written = match ending {
+            _ if !self.fence_ok(job, p, gen) => Written::Stale,
             Ending::Complete { chain } => self.commit_complete(cfg, job, p, gen, chain, began),
             Ending::Fail => self.commit_fail(cfg, job, p, gen),
         };
@@ -586,6 +596,7 @@ impl State {
         let proc = &mut self.procs[p as usize];
         proc.up = Up::Crashed;
         proc.renewer = Renewer::Ok;
+        proc.ahead_paused = false;
         proc.attempts.clear();
     }
 

@@ -178,6 +178,9 @@ pub struct Attempt {
 pub struct Proc {
     pub up: Up,
     pub renewer: Renewer,
+    /// The claimer's `ahead_paused`: it gave jobs back and claims none ahead until a
+    /// slot is free again (without it, give-back and claim could loop forever).
+    pub ahead_paused: bool,
     /// Sorted.
     pub attempts: Vec<Attempt>,
 }
@@ -341,6 +344,7 @@ impl State {
                 Proc {
                     up: Up::Running,
                     renewer: Renewer::Ok,
+                    ahead_paused: false,
                     attempts: Vec::new()
                 };
                 cfg.procs as usize
