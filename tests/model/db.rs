@@ -101,7 +101,8 @@ impl State {
         k.open_jobs = k.open_jobs.saturating_sub(1);
     }
 
-    /// src/store/keys.rs PROMOTE: the key's next waiting job (by key_seq) becomes
+    /// src/store/keys.rs PROMOTE (the schema function `promote`, migrations/0003_claim.sql,
+    /// also called inside `complete_keyed`): the key's next waiting job (by key_seq) becomes
     /// pending, or, chained, running for `chain` with a lease from `began` (its
     /// transaction's start, relative to now).
     pub fn promote(

@@ -51,7 +51,7 @@ fn describe(cfg: &Config, before: &State, a: &Action) -> String {
                 _ => Ending::Fail,
             };
             let sql = match (ending, cfg.key_of(*j)) {
-                (Ending::Fail, _) => "complete.rs FAIL",
+                (Ending::Fail, _) => "fail.rs FAIL",
                 (Ending::Complete { chain: true }, Some(_)) => "complete_keyed, promote chained",
                 (Ending::Complete { .. }, Some(_)) => "complete_keyed, promote",
                 (Ending::Complete { .. }, None) => "COMPLETE_UNKEYED",
