@@ -6,12 +6,14 @@
 //!
 //! # Flags
 //! `--jobs N` (the last one enqueued by a host transaction), `--keys N`, `--procs N`,
-//! `--slots N`, `--attempts N` (max attempts), `--lease N` (ticks); budgets
-//! `--crashes N --pauses N --failures N --faults N` (faults of any kind in all)
+//! `--slots N`, `--ahead N` (claim-ahead: ready-queue room), `--attempts N` (max
+//! attempts), `--lease N` (ticks); budgets `--crashes N --pauses N --failures N
+//! --shutdowns N --lost-replies N --faults N` (faults of any kind in all)
 //! `--cancels N --holds N --retries N --prunes N --operator N` (operator actions in all);
 //! `--quiet` (all budgets 0; give it before the budget flags); `--no-liveness`; `--store dedup|fenced`;
 //! `--defect NAME` (repeatable: renewal-waits, registry-from-start, cancel-promotes,
-//! prune-dead, prune-key-rows, no-deadline, promote-now); `--threads N`; `--max-states N` (stop after about N
+//! prune-dead, prune-key-rows, no-deadline, promote-now, old-lock-order,
+//! ahead-not-renewed, give-back-keeps); `--threads N`; `--max-states N` (stop after about N
 //! states); `--shortest` (breadth first, stop at the first failure).
 //!
 //! Exit status 1 when a property fails, with its trace.
@@ -62,6 +64,9 @@ fn main() {
             "--faults" => b.faults = value(),
             "--operator" => b.operator = value(),
             "--slots" => cfg.slots = value(),
+            "--ahead" => cfg.ahead = value(),
+            "--shutdowns" => b.shutdowns = value(),
+            "--lost-replies" => b.lost_replies = value(),
             "--attempts" => cfg.max_attempts = value(),
             "--lease" => cfg.lease = value() as i8,
             "--crashes" => b.crashes = value(),
@@ -88,6 +93,9 @@ fn main() {
                     Some("prune-key-rows") => d.prune_restarts_key_seq = true,
                     Some("no-deadline") => d.no_local_deadline = true,
                     Some("promote-now") => d.promote_lease_from_transaction_start = true,
+                    Some("old-lock-order") => d.job_row_before_key_row = true,
+                    Some("ahead-not-renewed") => d.ahead_not_renewed = true,
+                    Some("give-back-keeps") => d.give_back_error_keeps_jobs = true,
                     _ => usage(&flag),
                 }
             }

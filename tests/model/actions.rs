@@ -18,8 +18,15 @@ pub enum Action {
     HostEnqueue,
     HostCommit,
     HostRollback,
-    /// The claimer serves parked successors, runs the claim statement, dispatches.
+    /// The claimer starts waiting jobs in free slots, runs the claim statement for the
+    /// free slots and the ready queue's room, dispatches; stopping, it gives the ready
+    /// queue back.
     Claim(ProcId),
+    /// The claimer's give-back pass: jobs that waited a lease in the ready queue are
+    /// released; `true`: RELEASE commits but its reply is lost (a fault).
+    GiveBack(ProcId, bool),
+    /// Graceful shutdown begins: claiming stops, the ready queue is released.
+    Shutdown(ProcId),
     /// A ready attempt starts its handler, which calls `once` (ledger lookup, then the
     /// request to the effect store); `true`: the handler returns an error first. Without
     /// a live lease the attempt ends instead.
@@ -62,7 +69,19 @@ impl Action {
             HostEnqueue => ("host".into(), "BEGIN; enqueue.rs ENQUEUE (enqueue_in)"),
             HostCommit => ("host".into(), "COMMIT of the host transaction"),
             HostRollback => ("host".into(), "ROLLBACK of the host transaction"),
-            Claim(x) => (p(x), "claimer serve_parked; claim.rs CLAIM; dispatch"),
+            Claim(x) => (
+                p(x),
+                "claimer: dispatch.rs start_ready; claim.rs CLAIM; dispatch/wait_for_slot",
+            ),
+            GiveBack(x, false) => (p(x), "give-back: dispatch.rs release_ready; fail.rs RELEASE"),
+            GiveBack(x, true) => (
+                p(x),
+                "give-back: fail.rs RELEASE commits, its reply is lost",
+            ),
+            Shutdown(x) => (
+                p(x),
+                "StopClaiming: release_ready(None); fail.rs RELEASE",
+            ),
             Start(x, .., false) => (p(x), "attempt_once: lease check, handler, once() acts"),
             Start(x, .., true) => (p(x), "attempt_once: lease check, handler errs"),
             Deliver(_) => ("store".into(), "effect store takes the request"),
@@ -89,6 +108,8 @@ impl Action {
             self,
             Crash(_)
                 | Pause(_)
+                | Shutdown(_)
+                | GiveBack(_, true)
                 | Start(.., true)
                 | Cancel(_)
                 | Hold(_)
@@ -131,7 +152,8 @@ impl Leasehold {
         }
         for (i, proc) in s.procs.iter().enumerate() {
             let p = i as ProcId;
-            let running = proc.up == Up::Running;
+            // A stopping process still runs and ends what it started.
+            let running = proc.up != Up::Crashed;
             if proc.up != Up::Crashed && s.renewal_can_resume(cfg, p) {
                 out.push(Action::RenewResume(p));
             }
@@ -151,12 +173,12 @@ impl Leasehold {
                             out.push(Action::Start(p, j, g, true));
                         }
                     }
-                    Phase::Handler(Effect::Answered) if !s.row_locked(j) => {
+                    Phase::Handler(Effect::Answered) if !s.row_locked(cfg, j) => {
                         out.push(Action::Record(p, j, g))
                     }
                     Phase::Handler(Effect::Refused) => out.push(Action::Record(p, j, g)),
                     // Its UPDATE waits while another transaction has the row.
-                    Phase::Ending(e) if !s.row_locked(j) => {
+                    Phase::Ending(e) if !s.row_locked(cfg, j) => {
                         out.push(Action::End(p, j, g, false));
                         if e == (Ending::Complete { chain: true }) {
                             out.push(Action::End(p, j, g, true));
@@ -168,8 +190,19 @@ impl Leasehold {
             if running && s.claim_finds_work(cfg, p) {
                 out.push(Action::Claim(p));
             }
+            if running && s.overdue(cfg, p) {
+                out.push(Action::GiveBack(p, false));
+                if s.budget.allows(Spend::LostReply) {
+                    out.push(Action::GiveBack(p, true));
+                }
+            }
+            if proc.up == Up::Running && s.budget.allows(Spend::Shutdown) {
+                out.push(Action::Shutdown(p));
+            }
             match proc.up {
-                Up::Running if s.budget.allows(Spend::Crash) => out.push(Action::Crash(p)),
+                Up::Running | Up::Stopping if s.budget.allows(Spend::Crash) => {
+                    out.push(Action::Crash(p))
+                }
                 _ => {}
             }
             match proc.renewer {
@@ -190,7 +223,7 @@ impl Leasehold {
         }
         for (i, r) in s.rows.iter().enumerate() {
             let j = i as JobId;
-            let free = !s.row_locked(j) && !s.key_locked(cfg, cfg.key_of(j));
+            let free = !s.row_locked(cfg, j) && !s.key_locked(cfg, cfg.key_of(j));
             if !free {
                 continue;
             }
@@ -238,6 +271,8 @@ impl Leasehold {
             HostCommit => n.host_commit(cfg),
             HostRollback => n.host = Host::Over,
             Claim(p) => n.claim_step(cfg, p),
+            GiveBack(p, lost) => n.give_back(cfg, p, lost),
+            Shutdown(p) => n.shutdown(cfg, p),
             Start(p, j, g, fails) => n.start(cfg, p, j, g, fails),
             Deliver(i) => n.deliver(cfg, i as usize),
             Record(p, j, g) => n.record_step(cfg, p, j, g),

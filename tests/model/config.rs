@@ -64,6 +64,19 @@ pub struct Defects {
     /// a lease: the successor is claimed with a lease that has already passed. (Found by
     /// this model; false is `clock_timestamp()`, as the hardened RENEW does.)
     pub promote_lease_from_transaction_start: bool,
+    /// Old lock order: a keyed ending (and a reap that ends a key's head) locked its job
+    /// row first, then waited for the key row with the job row held. The code locks key
+    /// rows first (src/store/complete.rs "Lock order", the `kl` CTEs of FAIL and REAP,
+    /// `complete_keyed`'s first SELECT), so a transaction waiting for a key row holds no
+    /// job row.
+    pub job_row_before_key_row: bool,
+    /// A job claimed ahead is not in the renewal registry while it waits in the ready
+    /// queue (the code tracks it from its claim: `Env::track` in the claimer).
+    pub ahead_not_renewed: bool,
+    /// A give-back whose RELEASE committed but whose reply was lost keeps the jobs in
+    /// the ready queue, as if still held (the `Err` arm of dispatch.rs `release_ready`
+    /// for `older_than: Some(_)`). Hardened: they are dropped (their leases tell).
+    pub give_back_error_keeps_jobs: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -73,6 +86,9 @@ pub struct Config {
     pub procs: u8,
     /// Execution slots per process (`concurrency`).
     pub slots: u8,
+    /// Jobs a claim may take beyond the free slots, to wait in the process's ready
+    /// queue (`Config::claim_ahead`; 0: claim only into free slots).
+    pub ahead: u8,
     pub max_attempts: u8,
     /// Lease, in ticks. The renewer runs every tick.
     pub lease: i8,
@@ -100,6 +116,7 @@ impl Config {
             keys: 2,
             procs: 2,
             slots: 2,
+            ahead: 0,
             max_attempts: 2,
             lease: 2,
             margin: 1,
@@ -108,6 +125,8 @@ impl Config {
                 crashes: 1,
                 pauses: 1,
                 failures: 1,
+                shutdowns: 0,
+                lost_replies: 0,
                 faults: 1,
                 cancels: 1,
                 holds: 1,
@@ -120,6 +139,25 @@ impl Config {
             fenced_store_claims_once: false,
             liveness: true,
         }
+    }
+
+    /// Claim-ahead (the default path of the code, `Config::claim_ahead`): 2 jobs on 2
+    /// keys (the second enqueued by the host transaction), 2 processes of 1 slot with
+    /// room for 1 job claimed ahead; one fault of any kind, a graceful shutdown and a
+    /// give-back whose reply is lost among them; no operator action. (Claim-ahead on
+    /// top of [`Config::bounded`] is more than `cargo test` can exhaust.)
+    pub fn claim_ahead() -> Config {
+        let mut cfg = Config::sized(2, 2, 2);
+        cfg.slots = 1;
+        cfg.ahead = 1;
+        cfg.budget.shutdowns = 1;
+        cfg.budget.lost_replies = 1;
+        cfg.budget.cancels = 0;
+        cfg.budget.holds = 0;
+        cfg.budget.retries = 0;
+        cfg.budget.prunes = 0;
+        cfg.budget.operator = 0;
+        cfg
     }
 
     /// `jobs` jobs spread over `keys` keys (the last one enqueued by the host
@@ -143,6 +181,8 @@ impl Config {
             crashes: 0,
             pauses: 0,
             failures: 0,
+            shutdowns: 0,
+            lost_replies: 0,
             faults: 0,
             cancels: 0,
             holds: 0,
@@ -160,7 +200,7 @@ impl Config {
         if self.procs == 0 || self.procs > 4 {
             return Err("1 to 4 processes".into());
         }
-        if self.budget.crashes >= self.procs {
+        if self.budget.crashes.max(self.budget.shutdowns) >= self.procs {
             return Err("at least one process must survive (liveness needs one)".into());
         }
         if self.jobs.iter().filter(|j| j.via_host).count() > 1 {

@@ -4,10 +4,15 @@
 //! # Locks
 //! A model step is atomic, so a lock matters only where a transaction holds one across
 //! steps: the host transaction holds its key row until it commits; an ending (complete,
-//! fail) or a reap that must leave a key waits for that row with its job row locked
-//! ([`super::state::Phase::Writing`], [`super::state::State::reaping`]). Every other
-//! transaction runs when the locks it needs are free, which is the same as waiting for
-//! them (none of them holds a lock while it waits, so none can deadlock).
+//! fail) that must leave a key waits for that row ([`super::state::Phase::Writing`]).
+//! As in the code, key rows are locked before job rows (src/store/complete.rs "Lock
+//! order"): the waiting ending holds no job row, and REAP takes key rows with SKIP
+//! LOCKED and leaves a row whose key is busy to its next pass. The old order (job row
+//! held while waiting for the key row, [`super::config::Defects::job_row_before_key_row`])
+//! is a defect switch; only there do a waiting ending and a waiting reap
+//! ([`super::state::State::reaping`]) lock a job row. Every other transaction runs when
+//! the locks it needs are free, which is the same as waiting for them (none of them
+//! holds a lock while it waits, so none can deadlock).
 
 use super::config::{Config, JobId, ProcId};
 use super::state::{broken, enqueued, Host, JobState, Phase, Row, State, Up};
@@ -29,8 +34,13 @@ impl State {
         r.state == JobState::Running && r.owner == p && r.generation == gen
     }
 
-    /// A transaction that waits for a key row holds this job row.
-    pub fn row_locked(&self, job: JobId) -> bool {
+    /// A transaction that waits for a key row holds this job row (only in the old lock
+    /// order: see the module docs).
+    pub fn row_locked(&self, cfg: &Config, job: JobId) -> bool {
+        cfg.defects.job_row_before_key_row && self.job_row_held(job)
+    }
+
+    fn job_row_held(&self, job: JobId) -> bool {
         self.reaping.iter().any(|(j, _)| *j == job)
             || self.procs.iter().any(|p| {
                 p.up != Up::Crashed
@@ -78,7 +88,7 @@ impl State {
                 break;
             }
             let r = self.rows[j as usize];
-            if r.state == JobState::Pending && r.due_in == 0 && !self.row_locked(j) {
+            if r.state == JobState::Pending && r.due_in == 0 && !self.row_locked(cfg, j) {
                 got.push((j, self.claim_row(cfg, j, p)));
             }
         }
@@ -91,7 +101,8 @@ impl State {
         k.open_jobs = k.open_jobs.saturating_sub(1);
     }
 
-    /// src/store/keys.rs PROMOTE: the key's next waiting job (by key_seq) becomes
+    /// src/store/keys.rs PROMOTE (the schema function `promote`, migrations/0003_claim.sql,
+    /// also called inside `complete_keyed`): the key's next waiting job (by key_seq) becomes
     /// pending, or, chained, running for `chain` with a lease from `began` (its
     /// transaction's start, relative to now).
     pub fn promote(
@@ -124,8 +135,13 @@ impl State {
         self.promote(cfg, key, chain, began)
     }
 
-    /// src/store/complete.rs COMPLETE_MANY (keyed; its `k` step locks the key row, then
-    /// PROMOTE with a fresh snapshot) or COMPLETE_UNKEYED (never touches a key row).
+    /// A keyed completion: the schema function `complete_keyed`
+    /// (migrations/0003_claim.sql, called by src/store/complete.rs COMPLETE_KEYED from
+    /// src/actor/completer.rs `write_keyed`). Its first SELECT locks the key row with
+    /// SKIP LOCKED; a key row the host transaction holds makes the item 'busy' (nothing
+    /// written, nothing locked), and the completer writes it again in a transaction that
+    /// waits for the key row ([`Written::Waiting`]). Unkeyed: COMPLETE_UNKEYED, which
+    /// never touches a key row.
     pub fn complete(
         &mut self,
         cfg: &Config,
@@ -144,8 +160,10 @@ impl State {
         self.commit_complete(cfg, job, p, gen, chain, 0)
     }
 
-    /// The rest of COMPLETE_MANY once its key row is free; `began`: when its transaction
-    /// began (its `now()`), which the old PROMOTE counts the successor's lease from.
+    /// `complete_keyed` (`p_wait`) once its key row is free: the fenced UPDATE, the key's
+    /// open_jobs, then `promote` (chain-claiming the successor). `began`: when its
+    /// transaction began (its `now()`), which the old PROMOTE counts the successor's
+    /// lease from.
     pub fn commit_complete(
         &mut self,
         cfg: &Config,
@@ -180,7 +198,7 @@ impl State {
         }
     }
 
-    /// src/store/complete.rs FAIL: back to pending with backoff, dead when the
+    /// src/store/fail.rs FAIL: back to pending with backoff, dead when the
     /// attempts are spent, cancelled when a cancel was requested; the head ends (and the
     /// transaction waits for the key row) when the new state leaves the key.
     pub fn fail(&mut self, cfg: &Config, job: JobId, p: ProcId, gen: u8) -> Written {
@@ -219,16 +237,27 @@ impl State {
     }
 
     /// src/store/reap.rs REAP: one running row whose lease passed, not locked (SKIP
-    /// LOCKED); the expiry is recorded; pending with backoff, dead, or cancelled.
+    /// LOCKED); the expiry is recorded; pending with backoff, dead, or cancelled. A row
+    /// whose expiry ends its key's head needs the key row too (`kl`, SKIP LOCKED): while
+    /// the host transaction holds it the row is left for the next pass. (Old lock order:
+    /// the reap held the row and waited.)
     pub fn reap(&mut self, cfg: &Config, job: JobId) {
-        let owner = self.rows[job as usize].owner;
-        let healthy =
-            self.procs[owner as usize].up != Up::Crashed && self.ghost.faulted & (1 << owner) == 0;
+        let (to, ends_head) = self.failed_state(cfg, job);
+        let key_busy = ends_head && self.key_locked(cfg, cfg.key_of(job));
+        if key_busy && !cfg.defects.job_row_before_key_row {
+            return;
+        }
+        let r = self.rows[job as usize];
+        let owner = r.owner;
+        // A lease its owner let go (a RELEASE that left a cancelled job's row to its
+        // expiry, a give-back whose reply was lost) is no loss of a healthy process.
+        let healthy = self.procs[owner as usize].up != Up::Crashed
+            && self.ghost.faulted & (1 << owner) == 0
+            && self.attempt(owner, job, r.generation).is_some();
         if healthy {
             self.ghost.broken |= broken::HEALTHY_LEASE_LOST;
         }
-        let (to, ends_head) = self.failed_state(cfg, job);
-        if ends_head && self.key_locked(cfg, cfg.key_of(job)) {
+        if key_busy {
             self.reaping.push((job, to));
             self.reaping.sort();
         } else {
@@ -245,6 +274,35 @@ impl State {
             .expect("a blocked reap");
         let (_, to) = self.reaping.remove(at);
         self.set_ended(cfg, job, to, true);
+    }
+
+    /// src/store/fail.rs RELEASE (`Store::release_many`): give a claimed job back
+    /// without counting the attempt: pending and due now, owner cleared, attempts - 1.
+    /// One an operator asked to cancel is cancelled and its key moves on, its key row
+    /// taken with SKIP LOCKED: while the host transaction holds it the row is left
+    /// running (its expiry cancels it). False: nothing written (fence gone, or left).
+    pub fn release(&mut self, cfg: &Config, job: JobId, p: ProcId, gen: u8) -> bool {
+        if !self.fence_ok(job, p, gen) {
+            return false;
+        }
+        let key = cfg.key_of(job);
+        if self.rows[job as usize].cancel_requested {
+            if self.key_locked(cfg, key) {
+                return false;
+            }
+            self.accept(job, p, gen);
+            self.rows[job as usize].set(JobState::Cancelled);
+            if let Some(k) = key {
+                self.end_head(cfg, k, None, 0);
+            }
+            return true;
+        }
+        self.accept(job, p, gen);
+        let r = &mut self.rows[job as usize];
+        r.set(JobState::Pending);
+        r.attempts = r.attempts.saturating_sub(1);
+        r.due_in = 0;
+        true
     }
 
     /// src/store/effects.rs RECORD: the ledger row, inserted only under the fence (the

@@ -4,11 +4,15 @@
 //! The database rows: each job's state, owner, generation, attempts, lease_until,
 //! available_at, key_seq and cancel_requested; each key's next_seq and open_jobs; the
 //! effect ledger; the row locks a transaction holds across steps. A clock. Two (up to
-//! four) scheduler processes, each with its slots, claimer (claim statement, parked
-//! successors), per-key sequencers (attempts queued behind the key's running one),
-//! executor (lease check, handler with one effect through `JobContext::once`, ending),
-//! completer (keyed completions that wait for key rows, chained successor claims),
-//! lease renewer (renewal registry, local deadlines), and the reaper. A host
+//! four) scheduler processes, each with its slots, claimer (claim statement for the free
+//! slots and the ready queue's room, `Config::claim_ahead`), ready queue (src/actor/
+//! dispatch.rs: jobs claimed ahead and chained successors waiting for a slot, given back
+//! after a lease, released at shutdown), per-key sequencers (attempts queued behind the
+//! key's running one), executor (lease check, handler with one effect through
+//! `JobContext::once`, ending), completer (`complete_keyed`: key rows locked first with
+//! SKIP LOCKED, 'busy' completions written again waiting for the key row; chained
+//! successor claims), lease renewer (renewal registry, local deadlines), the reaper, and
+//! graceful shutdown (claiming stops, the ready queue is released). A host
 //! transaction that enqueues a job with `enqueue_in` and holds its key row until it
 //! commits or rolls back. The operator's cancel, hold, release, retry_dead and prune.
 //! Crashes and pauses of a process. An external effect store that deduplicates by
@@ -20,7 +24,7 @@
 //!
 //! # What is abstracted, and why
 //! Each of these keeps the state space small enough to be exhausted in `cargo test`
-//! (about 1.3 million states for 3 jobs, 2 keys, 2 processes) without removing an
+//! (about 0.7 million states for 3 jobs, 2 keys, 2 processes of 1 slot) without removing an
 //! interleaving that a property depends on:
 //! - Time is relative ([`state`]): deadlines are "ticks left", clamped where smaller
 //!   values behave alike, so the clock runs forever in a finite space. Lease 2 ticks,
@@ -35,19 +39,25 @@
 //!   tries every schedule, so this one fault covers a frozen process too.
 //! - Reaps and completions take one row per transaction (the real ones batch: a batch
 //!   only adds rows to the same waits). A claim statement is one step; a chained
-//!   successor may find the slots held by a claim in flight and be parked.
+//!   successor may find the slots held by a claim in flight and wait in the ready queue.
+//!   The ready queue is ordered by how long each job waited (ties by job id).
 //! - The handler starts and calls `once` in one step (lookup, then the request); with
 //!   a deduplicating store the request is applied at once (its delay changes nothing a
 //!   property reads), with a fencing store it is in flight until the store takes it.
 //! - The sequencer's fetch-next (`claim_key`) is the claim statement restricted to a
-//!   key: its database step is [`actions::Action::Claim`]. Graceful shutdown (release),
-//!   priorities, kinds and payload budgets are not modelled; claims take the lowest id.
+//!   key: its database step is [`actions::Action::Claim`]. Priorities, kinds, payload
+//!   budgets and shutdown's grace period (hard stop) are not modelled; claims take the
+//!   lowest id.
 //! - A step that would wait for a lock is not enabled until the lock is free; only
-//!   transactions that hold a lock while they wait (the host transaction; an ending or
-//!   a reap waiting for a key row with its job row locked; the old RENEW) are states.
+//!   transactions that wait across steps (the host transaction, which holds its key row;
+//!   an ending waiting for a key row, which as in the code holds no job row since key
+//!   rows are locked first; under the old lock order, an ending or a reap holding its
+//!   job row while it waits; the old RENEW) are states.
 //! - Processes are interchangeable (symmetry: [`state::State::representative`]).
 //! - Budgets bound faults and operator actions: [`config::Config::bounded`] allows one
-//!   fault (a crash, a pause or a handler error) and one operator action per run.
+//!   fault (a crash, a pause or a handler error) and one operator action per run;
+//!   [`config::Config::claim_ahead`] one fault of any kind, a graceful shutdown and a
+//!   give-back whose reply is lost among them.
 //!
 //! # Properties
 //! See [`properties`]: no two handlers of a key run at once; a key's handlers start
@@ -55,7 +65,8 @@
 //! accepted; no job lost; no key stranded; a healthy process keeps its leases; no
 //! effect applied twice per effect key (deduplicating store), or the current attempt
 //! never fenced off (fencing store); and from every state, a crash-free path on which
-//! every job ends (or waits for an operator).
+//! every job ends (or waits for an operator). That last one is "AG EF settled" along a
+//! fixed schedule, not "every fair path settles" (see [`properties`]).
 //!
 //! # Defects
 //! [`config::Defects`]: each switch puts one known old behaviour back;

@@ -1,13 +1,24 @@
 //! A scheduler process's side of each step: claimer, sequencers, executor, completer,
 //! lease renewer, and the faults of a process. The database side is in [`super::db`].
 //!
-//! # Slots
+//! # Slots and the ready queue
 //! An attempt holds a slot while queued, ready or running its handler; it gives it back
-//! when the handler returns (`Slots::finishing`), before its ending is written. The
-//! claim statement is one step; the slots it reserves while in flight (`Slots::take`
+//! when the handler returns (`Slots::finishing`), before its ending is written, and that
+//! slot starts the oldest job of the ready queue at once (src/actor/dispatch.rs
+//! `start_ready`). The ready queue holds claimed jobs without a slot: those a claim took
+//! ahead of the free slots (`Config::claim_ahead`, [`Config::ahead`] here) and chained
+//! successors that found no slot. They are tracked and renewed from their claim; the
+//! handler's start checks the lease as for any attempt. A job that waited longer than a
+//! lease is given back (the claimer's give-back pass: `release_ready` with a lease,
+//! then RELEASE), and shutdown gives back the whole queue at once.
+//!
+//! The claim statement is one step; the slots it reserves while in flight (`Slots::take`
 //! before CLAIM) matter only to a chained successor arriving meanwhile, which then finds
-//! no slot and is parked: that step may park it even though a slot looks free. The
-//! finishing backpressure (`finishing_max`) is not modelled: it only delays claims.
+//! no slot and waits in the ready queue: that step may queue it even though a slot
+//! looks free. Not modelled: the finishing backpressure (`finishing_max`) and the byte
+//! budget, which only delay claims. The claimer's `ahead_paused` is modelled (after a
+//! give-back it claims nothing ahead until a slot is free): without it give-back and
+//! claim-ahead could loop, each claim a new generation, and the state space is infinite.
 
 use super::config::EffectStore;
 use super::config::{Config, JobId, ProcId};
@@ -51,11 +62,15 @@ impl State {
         })
     }
 
-    /// In the renewal registry. Hardened: from the claim on. Old: from the start of
-    /// `attempt_once` (ready: its sequencer or task runs it now), so parked and queued
-    /// attempts were not.
+    /// In the renewal registry. Hardened: from the claim on (`Env::track`). Old: from
+    /// the start of `attempt_once` (ready: its sequencer or task runs it now), so jobs in
+    /// the ready queue and in a sequencer's backlog were not; or (a defect of claim-ahead)
+    /// only jobs in the ready queue were not.
     pub fn registered(&self, cfg: &Config, a: &Attempt) -> bool {
-        !cfg.defects.renewal_from_handler_start || !matches!(a.phase, Phase::Parked | Phase::Queued)
+        let waiting = matches!(a.phase, Phase::ReadyQueue { .. });
+        let backlog = a.phase == Phase::Queued;
+        let d = &cfg.defects;
+        !(d.renewal_from_handler_start && (waiting || backlog) || d.ahead_not_renewed && waiting)
     }
 
     fn add_attempt(&mut self, p: ProcId, a: Attempt) {
@@ -114,39 +129,136 @@ impl State {
         }
     }
 
-    /// `Claimer::claim_after`: serve parked successors the free slots first
-    /// (`serve_parked`), then CLAIM into the rest and dispatch what it returns.
-    pub fn claim_step(&mut self, cfg: &Config, p: ProcId) {
-        let parked: Vec<Attempt> = self.procs[p as usize]
+    /// Jobs of `p`'s ready queue, oldest first (ties, as among jobs one claim took, by
+    /// job id).
+    fn ready_queue(&self, p: ProcId) -> Vec<Attempt> {
+        let mut q: Vec<Attempt> = self.procs[p as usize]
             .attempts
             .iter()
-            .filter(|a| a.phase == Phase::Parked)
+            .filter(|a| matches!(a.phase, Phase::ReadyQueue { .. }))
             .copied()
             .collect();
-        for a in parked {
+        q.sort_by_key(|a| match a.phase {
+            Phase::ReadyQueue { waited } => (-waited, a.job),
+            _ => unreachable!(),
+        });
+        q
+    }
+
+    /// src/actor/dispatch.rs `start_ready`: free slots take the oldest waiting jobs.
+    fn start_ready(&mut self, cfg: &Config, p: ProcId) {
+        for a in self.ready_queue(p) {
             if self.free_slots(cfg, p) == 0 {
                 break;
             }
             self.dispatch(cfg, p, a.job, a.gen);
         }
-        let limit = self.free_slots(cfg, p);
-        for (job, gen) in self.claim(cfg, p, limit) {
-            self.dispatch(cfg, p, job, gen);
+    }
+
+    fn wait_for_slot(&mut self, p: ProcId, job: JobId, gen: u8, deadline: i8) {
+        self.add_attempt(
+            p,
+            Attempt {
+                job,
+                gen,
+                phase: Phase::ReadyQueue { waited: 0 },
+                deadline,
+                cancelled: false,
+            },
+        );
+    }
+
+    /// `Claimer::claim_after`: waiting jobs take the free slots (`start_ready`), then
+    /// CLAIM for the rest of the free slots plus the room left in the ready queue; the
+    /// first dispatched, the others queued. A stopping process only gives its queue back.
+    pub fn claim_step(&mut self, cfg: &Config, p: ProcId) {
+        if self.procs[p as usize].up == Up::Stopping {
+            self.release_ready(cfg, p);
+            return;
+        }
+        self.start_ready(cfg, p);
+        let slots = self.free_slots(cfg, p);
+        if slots > 0 {
+            self.procs[p as usize].ahead_paused = false;
+        }
+        let room = self.ahead_room(cfg, p);
+        for (n, (job, gen)) in self.claim(cfg, p, slots + room).into_iter().enumerate() {
+            if n < slots as usize {
+                self.dispatch(cfg, p, job, gen);
+            } else {
+                self.wait_for_slot(p, job, gen, cfg.deadline_from(0));
+            }
         }
     }
 
-    /// Whether a claim step would find work: a parked successor, or a due pending row.
+    fn ahead_room(&self, cfg: &Config, p: ProcId) -> u8 {
+        if self.procs[p as usize].ahead_paused && self.free_slots(cfg, p) == 0 {
+            return 0;
+        }
+        cfg.ahead.saturating_sub(self.ready_queue(p).len() as u8)
+    }
+
+    /// Whether a claim step would do something: start a waiting job in a free slot,
+    /// claim a due pending row into a free slot or the ready queue, or (stopping) give
+    /// its queue back.
     pub fn claim_finds_work(&self, cfg: &Config, p: ProcId) -> bool {
-        self.free_slots(cfg, p) > 0
-            && (self.procs[p as usize]
-                .attempts
-                .iter()
-                .any(|a| a.phase == Phase::Parked)
-                || self.rows.iter().enumerate().any(|(j, r)| {
-                    r.state == super::state::JobState::Pending
-                        && r.due_in == 0
-                        && !self.row_locked(j as JobId)
-                }))
+        let queued = !self.ready_queue(p).is_empty();
+        if self.procs[p as usize].up == Up::Stopping {
+            return queued;
+        }
+        let free = self.free_slots(cfg, p) > 0;
+        let pending = self.rows.iter().enumerate().any(|(j, r)| {
+            r.state == super::state::JobState::Pending
+                && r.due_in == 0
+                && !self.row_locked(cfg, j as JobId)
+        });
+        (free && queued) || ((free || self.ahead_room(cfg, p) > 0) && pending)
+    }
+
+    /// Jobs of the ready queue that waited longer than a lease.
+    pub fn overdue(&self, cfg: &Config, p: ProcId) -> bool {
+        self.ready_queue(p)
+            .iter()
+            .any(|a| matches!(a.phase, Phase::ReadyQueue { waited } if waited > cfg.lease))
+    }
+
+    /// The claimer's give-back pass (dispatch.rs `release_ready` with `older_than` a
+    /// lease): jobs that waited longer than a lease leave the queue and are released.
+    /// `lost_reply`: RELEASE committed but its reply was lost; the code then puts them
+    /// back in the queue ([`super::config::Defects::give_back_error_keeps_jobs`]),
+    /// hardened they are dropped.
+    pub fn give_back(&mut self, cfg: &Config, p: ProcId, lost_reply: bool) {
+        if lost_reply {
+            self.budget.spend(Spend::LostReply);
+        }
+        let old: Vec<Attempt> = self
+            .ready_queue(p)
+            .into_iter()
+            .filter(|a| matches!(a.phase, Phase::ReadyQueue { waited } if waited > cfg.lease))
+            .collect();
+        self.procs[p as usize].ahead_paused = true;
+        for a in old {
+            self.release(cfg, a.job, p, a.gen);
+            if !(lost_reply && cfg.defects.give_back_error_keeps_jobs) {
+                self.remove_attempt(p, a.job, a.gen);
+            }
+        }
+    }
+
+    /// dispatch.rs `release_ready(None)`: the whole ready queue is released at once.
+    fn release_ready(&mut self, cfg: &Config, p: ProcId) {
+        for a in self.ready_queue(p) {
+            self.release(cfg, a.job, p, a.gen);
+            self.remove_attempt(p, a.job, a.gen);
+        }
+    }
+
+    /// Graceful shutdown begins (`StopClaiming`): no claim and no chained successor
+    /// from now on, and the ready queue is released at once.
+    pub fn shutdown(&mut self, cfg: &Config, p: ProcId) {
+        self.budget.spend(Spend::Shutdown);
+        self.procs[p as usize].up = Up::Stopping;
+        self.release_ready(cfg, p);
     }
 
     /// `attempt_once` before the handler: hardened, nothing starts without a live lease
@@ -191,17 +303,20 @@ impl State {
             })
     }
 
-    /// The handler returns: complete (chained if a slot is spare) or fail.
+    /// The handler returns: complete (chained if another slot is free and the process
+    /// is not stopping) or fail. Its slot then starts the oldest waiting job.
     fn handler_returns(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, ok: bool) {
         let ending = if ok {
             let spare = self.free_slots(cfg, p) > 0;
+            let claiming = self.procs[p as usize].up == Up::Running;
             Ending::Complete {
-                chain: spare && cfg.key_of(job).is_some(),
+                chain: spare && claiming && cfg.key_of(job).is_some(),
             }
         } else {
             Ending::Fail
         };
         self.set_phase(p, job, gen, Phase::Ending(ending));
+        self.start_ready(cfg, p);
     }
 
     /// `JobContext::once`: the ledger first (a recorded outcome is reused); a cancelled
@@ -293,13 +408,16 @@ impl State {
         self.after_write(cfg, p, job, gen, ending, written, park);
     }
 
-    /// A waiting ending transaction gets its key row and commits.
+    /// A waiting ending transaction gets its key row, then runs its fenced UPDATE.
     pub fn resume(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, park: bool) {
         let phase = self.attempt(p, job, gen).expect("attempt").phase;
         let Phase::Writing { ending, began } = phase else {
             unreachable!("only a waiting transaction resumes")
         };
+        // Its fenced UPDATE runs only now, after the key row (the job row was not held
+        // meanwhile): the job may have been reaped and claimed again while it waited.
         let written = match ending {
+            _ if !self.fence_ok(job, p, gen) => Written::Stale,
             Ending::Complete { chain } => self.commit_complete(cfg, job, p, gen, chain, began),
             Ending::Fail => self.commit_fail(cfg, job, p, gen),
         };
@@ -307,7 +425,7 @@ impl State {
     }
 
     /// `Sequencer::after`: a successor claimed by the completion runs if a slot is free,
-    /// or is parked; then the key's queued attempts.
+    /// or waits in the ready queue (`wait_for_slot`); then the key's queued attempts.
     #[allow(clippy::too_many_arguments)]
     fn after_write(
         &mut self,
@@ -333,19 +451,11 @@ impl State {
                         }
                         _ => 0,
                     };
-                    let phase = if !park && self.free_slots(cfg, p) > 0 {
-                        Phase::Ready
-                    } else {
-                        Phase::Parked
-                    };
-                    let fresh = Attempt {
-                        job: sj,
-                        gen: sg,
-                        phase,
-                        deadline: cfg.deadline_from(sent.max(-cfg.lease)),
-                        cancelled: false,
-                    };
-                    self.add_attempt(p, fresh);
+                    let deadline = cfg.deadline_from(sent.max(-cfg.lease));
+                    self.wait_for_slot(p, sj, sg, deadline);
+                    if !park && self.free_slots(cfg, p) > 0 {
+                        self.dispatch(cfg, p, sj, sg);
+                    }
                 }
             }
         }
@@ -358,7 +468,7 @@ impl State {
     pub fn tick(&mut self, cfg: &Config) {
         for j in 0..self.rows.len() as JobId {
             let r = self.rows[j as usize];
-            if r.state == super::state::JobState::Running && r.lease_left < 0 && !self.row_locked(j)
+            if r.state == super::state::JobState::Running && r.lease_left < 0 && !self.row_locked(cfg, j)
             {
                 self.reap(cfg, j);
             }
@@ -381,7 +491,13 @@ impl State {
                     }
                 }
             }
+            for a in &mut proc.attempts {
+                if let Phase::ReadyQueue { waited } = &mut a.phase {
+                    *waited = (*waited + 1).min(cfg.lease + 1);
+                }
+            }
             if !deadlines {
+                proc.attempts.sort();
                 continue;
             }
             for a in &mut proc.attempts {
@@ -397,7 +513,7 @@ impl State {
         }
         for p in 0..self.procs.len() as ProcId {
             let proc = &self.procs[p as usize];
-            if proc.up == Up::Running && proc.renewer == Renewer::Ok {
+            if proc.up != Up::Crashed && proc.renewer == Renewer::Ok {
                 self.renew(cfg, p);
                 if self.procs[p as usize].renewer == Renewer::Ok {
                     // Renewed since its pause: healthy again for the lease property.
@@ -420,7 +536,7 @@ impl State {
         if mine.is_empty() {
             return;
         }
-        if cfg.defects.renewal_waits_on_locks && mine.iter().any(|a| self.row_locked(a.job)) {
+        if cfg.defects.renewal_waits_on_locks && mine.iter().any(|a| self.row_locked(cfg, a.job)) {
             self.procs[p as usize].renewer = Renewer::Blocked { sent: 0 };
             return;
         }
@@ -431,7 +547,7 @@ impl State {
     /// cancels) cancel their handlers.
     fn renewed(&mut self, cfg: &Config, p: ProcId, mine: &[Attempt], sent: i8) {
         for a in mine {
-            if self.row_locked(a.job) {
+            if self.row_locked(cfg, a.job) {
                 continue;
             }
             let ours = self.fence_ok(a.job, p, a.gen);
@@ -470,7 +586,7 @@ impl State {
             && !proc
                 .attempts
                 .iter()
-                .any(|a| self.registered(cfg, a) && self.row_locked(a.job))
+                .any(|a| self.registered(cfg, a) && self.row_locked(cfg, a.job))
     }
 
     /// The process dies: its memory and its connections (an open ending transaction
@@ -480,6 +596,7 @@ impl State {
         let proc = &mut self.procs[p as usize];
         proc.up = Up::Crashed;
         proc.renewer = Renewer::Ok;
+        proc.ahead_paused = false;
         proc.attempts.clear();
     }
 

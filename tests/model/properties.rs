@@ -162,7 +162,7 @@ fn rank(a: &Action) -> u8 {
         Record(..) => 4,
         End(..) => 5,
         Start(..) => 6,
-        Claim(_) => 7,
+        Claim(_) | GiveBack(_, false) => 7,
         _ => 10,
     }
 }

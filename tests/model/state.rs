@@ -92,6 +92,9 @@ pub struct KeyRow {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Up {
     Running,
+    /// Shutdown has begun (`StopClaiming`): it claims and chains nothing more, gave its
+    /// ready queue back, and runs what it already started to the end.
+    Stopping,
     Crashed,
 }
 
@@ -113,8 +116,11 @@ pub enum Renewer {
 /// Where an attempt is in the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Phase {
-    /// A chained successor that found no free slot: `Env::park`, served by the claimer.
-    Parked,
+    /// In the process's ready queue (src/actor/dispatch.rs `ReadyQueue`), without a
+    /// slot: claimed ahead of a free slot, or a chained successor that found none.
+    /// Tracked and renewed from its claim. `waited`: ticks since it was queued, clamped
+    /// at lease + 1 (past a lease it is given back).
+    ReadyQueue { waited: i8 },
     /// Delivered to its key's sequencer while another attempt of the key runs there
     /// (the sequencer's backlog). Holds a slot.
     Queued,
@@ -124,7 +130,11 @@ pub enum Phase {
     Handler(Effect),
     /// The handler returned; its slot is free; the ending is still to be written.
     Ending(Ending),
-    /// The ending's transaction has its job row locked and waits for the key row.
+    /// The ending's transaction waits for the key row (an open host transaction holds
+    /// it): a keyed completion that `complete_keyed` reported 'busy', written again in a
+    /// transaction that waits for the key (src/actor/completer.rs `write_keyed` with
+    /// `wait`), or a FAIL whose `kl` waits. It holds no job row (key rows are locked
+    /// first), except under [`super::config::Defects::job_row_before_key_row`].
     /// `began`: when it began, relative to now (its statements' `now()`); kept only
     /// where a defect switch reads it, 0 otherwise.
     Writing { ending: Ending, began: i8 },
@@ -168,6 +178,9 @@ pub struct Attempt {
 pub struct Proc {
     pub up: Up,
     pub renewer: Renewer,
+    /// The claimer's `ahead_paused`: it gave jobs back and claims none ahead until a
+    /// slot is free again (without it, give-back and claim could loop forever).
+    pub ahead_paused: bool,
     /// Sorted.
     pub attempts: Vec<Attempt>,
 }
@@ -209,6 +222,10 @@ pub struct Budget {
     pub pauses: u8,
     /// Handler errors.
     pub failures: u8,
+    /// Graceful shutdowns (a process stops claiming and gives its ready queue back).
+    pub shutdowns: u8,
+    /// Give-backs whose RELEASE committed and whose reply was lost.
+    pub lost_replies: u8,
     pub faults: u8,
     pub cancels: u8,
     pub holds: u8,
@@ -223,6 +240,8 @@ pub enum Spend {
     Crash,
     Pause,
     Failure,
+    Shutdown,
+    LostReply,
     Cancel,
     Hold,
     Retry,
@@ -235,6 +254,8 @@ impl Budget {
             Spend::Crash => (&mut self.crashes, &mut self.faults),
             Spend::Pause => (&mut self.pauses, &mut self.faults),
             Spend::Failure => (&mut self.failures, &mut self.faults),
+            Spend::Shutdown => (&mut self.shutdowns, &mut self.faults),
+            Spend::LostReply => (&mut self.lost_replies, &mut self.faults),
             Spend::Cancel => (&mut self.cancels, &mut self.operator),
             Spend::Hold => (&mut self.holds, &mut self.operator),
             Spend::Retry => (&mut self.retries, &mut self.operator),
@@ -282,7 +303,9 @@ pub struct State {
     pub keys: Vec<KeyRow>,
     /// Effect ledger: bit per job (its one effect key is recorded).
     pub ledger: u8,
-    /// Rows a reap has locked and changed, waiting for the key row to end the head.
+    /// Rows a reap has locked and changed, waiting for the key row to end the head (only
+    /// under the old lock order: the REAP of the code skips such a row until its key
+    /// row is free).
     pub reaping: Vec<(JobId, JobState)>,
     pub host: Host,
     pub procs: Vec<Proc>,
@@ -321,6 +344,7 @@ impl State {
                 Proc {
                     up: Up::Running,
                     renewer: Renewer::Ok,
+                    ahead_paused: false,
                     attempts: Vec::new()
                 };
                 cfg.procs as usize

@@ -51,9 +51,9 @@ fn describe(cfg: &Config, before: &State, a: &Action) -> String {
                 _ => Ending::Fail,
             };
             let sql = match (ending, cfg.key_of(*j)) {
-                (Ending::Fail, _) => "complete.rs FAIL",
-                (Ending::Complete { chain: true }, Some(_)) => "COMPLETE_MANY, PROMOTE chained",
-                (Ending::Complete { .. }, Some(_)) => "COMPLETE_MANY, PROMOTE",
+                (Ending::Fail, _) => "fail.rs FAIL",
+                (Ending::Complete { chain: true }, Some(_)) => "complete_keyed, promote chained",
+                (Ending::Complete { .. }, Some(_)) => "complete_keyed, promote",
                 (Ending::Complete { .. }, None) => "COMPLETE_UNKEYED",
             };
             let resumed = if matches!(a, Resume(..)) {
@@ -61,7 +61,11 @@ fn describe(cfg: &Config, before: &State, a: &Action) -> String {
             } else {
                 ""
             };
-            let parked = if *park { "; successor parked" } else { "" };
+            let parked = if *park {
+                "; successor to the ready queue"
+            } else {
+                ""
+            };
             format!("j{j}g{g} {resumed}{sql}{parked}")
         }
         Start(_, j, g, _) if cfg.defects.renewal_from_handler_start => {
@@ -130,6 +134,7 @@ pub fn summary(cfg: &Config, s: &State) -> String {
     for (p, proc) in s.procs.iter().enumerate() {
         let up = match proc.up {
             Up::Running => "",
+            Up::Stopping => " STOPPING",
             Up::Crashed => " CRASHED",
         };
         let renewer = match proc.renewer {
@@ -143,7 +148,7 @@ pub fn summary(cfg: &Config, s: &State) -> String {
                 out.push(' ');
             }
             let phase = match a.phase {
-                Phase::Parked => "parked",
+                Phase::ReadyQueue { .. } => "waits-for-slot",
                 Phase::Queued => "queued",
                 Phase::Ready => "ready",
                 Phase::Handler(Effect::Awaiting) => "handler:acting",
@@ -154,6 +159,9 @@ pub fn summary(cfg: &Config, s: &State) -> String {
                 Phase::Writing { .. } => "ending-waits-key",
             };
             let _ = write!(out, "j{}g{} {phase}", a.job, a.gen);
+            if let Phase::ReadyQueue { waited } = a.phase {
+                let _ = write!(out, " waited{waited}");
+            }
             if !cfg.defects.no_local_deadline {
                 let _ = write!(out, " dl{:+}", a.deadline);
             }
