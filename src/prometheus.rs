@@ -26,7 +26,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::error::Result;
 use crate::metrics::{HistogramSnapshot, JobSnapshot, MailboxSnapshot, MetricsSnapshot};
 use crate::store::QueueGauges;
-use crate::Scheduler;
+use crate::{Scheduler, Store};
 
 /// Which text exposition to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,9 +57,32 @@ impl Format {
 }
 
 /// This scheduler's figures and the database's per-queue gauges, as text in `format`.
+/// The gauges are read through the handle's store (the host's pool); from another
+/// runtime than the pool's (an actix-web worker), use [`render_with`].
 pub async fn render(scheduler: &Scheduler, format: Format) -> Result<String> {
-    let gauges = scheduler.queue_gauges().await?;
+    render_with(scheduler, scheduler.store(), format).await
+}
+
+/// [`render`], reading the per-queue gauges through `store` (over a pool of the
+/// caller's runtime, on the scheduler's schema).
+pub async fn render_with(scheduler: &Scheduler, store: &Store, format: Format) -> Result<String> {
+    let mut gauges = store.queue_gauges().await?;
+    with_every_queue(&mut gauges, &scheduler.config().queues);
     Ok(encode(scheduler.metrics(), gauges, format))
+}
+
+/// Zeros for the configured queues that have no open job, so a drained queue reads 0
+/// rather than vanishing from the scrape (an alert on it would then never resolve).
+fn with_every_queue(gauges: &mut Vec<QueueGauges>, queues: &[String]) {
+    for queue in queues {
+        if !gauges.iter().any(|g| &g.queue == queue) {
+            gauges.push(QueueGauges {
+                queue: queue.clone(),
+                ..Default::default()
+            });
+        }
+    }
+    gauges.sort_by(|a, b| a.queue.cmp(&b.queue));
 }
 
 /// Encode figures already taken (no database access).
@@ -100,9 +123,14 @@ type Labels<'a> = Vec<(&'static str, &'a str)>;
 
 /// One sample's value.
 enum Value<'a> {
+    /// A counter's value.
     Count(u64),
+    /// A counter of seconds.
     Seconds(f64),
-    Gauge(f64),
+    /// A gauge that counts things.
+    Level(u64),
+    /// A gauge of seconds.
+    Age(f64),
     Histogram(&'a HistogramSnapshot),
 }
 
@@ -159,7 +187,8 @@ fn write_value(metric: &mut MetricEncoder, value: &Value) -> fmt::Result {
     match value {
         Value::Count(n) => metric.encode_counter::<NoLabelSet, _, u64>(n, None),
         Value::Seconds(s) => metric.encode_counter::<NoLabelSet, _, u64>(s, None),
-        Value::Gauge(g) => metric.encode_gauge(g),
+        Value::Level(n) => metric.encode_gauge(n),
+        Value::Age(secs) => metric.encode_gauge(secs),
         Value::Histogram(h) => {
             metric.encode_histogram::<NoLabelSet>(h.sum_secs, h.count, &per_bucket(h), None)
         }
@@ -274,7 +303,7 @@ impl Exposition {
             ),
         ];
         out.extend(gauges.into_iter().map(|(name, help, v)| {
-            Family::new(name, help, MetricType::Gauge).sample(vec![], Value::Gauge(v as f64))
+            Family::new(name, help, MetricType::Gauge).sample(vec![], Value::Level(v))
         }));
         out
     }
@@ -293,13 +322,13 @@ impl Exposition {
                 "Messages sent to the actor kind and not yet handled.",
                 MetricType::Gauge,
             )
-            .samples(each(|m| Value::Gauge(m.depth as f64))),
+            .samples(each(|m| Value::Level(m.depth))),
             Family::new(
                 "mailbox_high_water",
                 "Largest mailbox depth seen since start.",
                 MetricType::Gauge,
             )
-            .samples(each(|m| Value::Gauge(m.high_water as f64))),
+            .samples(each(|m| Value::Level(m.high_water))),
             Family::new("mailbox_handled", "Messages handled.", MetricType::Counter)
                 .samples(each(|m| Value::Count(m.handled))),
             Family::new(
@@ -324,29 +353,49 @@ impl Exposition {
             g.by_state.iter().map(move |(state, n)| {
                 (
                     vec![("queue", g.queue.as_str()), ("state", state.as_str())],
-                    Value::Gauge(*n as f64),
+                    Value::Level((*n).max(0) as u64),
                 )
             })
         });
-        let each = |value: fn(&QueueGauges) -> f64| {
+        let each = |value: fn(&QueueGauges) -> Value<'static>| {
             self.gauges
                 .iter()
-                .map(move |g| (vec![("queue", g.queue.as_str())], Value::Gauge(value(g))))
+                .map(move |g| (vec![("queue", g.queue.as_str())], value(g)))
         };
         vec![
-            Family::new("jobs", "Jobs in the database by queue and open or parked state (pending, waiting, running, held, dead).", MetricType::Gauge)
-                .samples(by_state),
-            Family::new("oldest_eligible_age", "How long the oldest due pending job has waited to be claimed (0: none due).", MetricType::Gauge)
-                .seconds()
-                .samples(each(|g| g.oldest_eligible_secs)),
-            Family::new("oldest_running_age", "Time since the oldest running job was claimed (0: none running).", MetricType::Gauge)
-                .seconds()
-                .samples(each(|g| g.oldest_running_secs)),
-            Family::new("blocked_keys", "Keys whose head is held, or dead with the default key policy: their later jobs wait for an operator.", MetricType::Gauge)
-                .samples(each(|g| g.blocked_keys as f64)),
-            Family::new("blocked_oldest_waiting_age", "Age of the oldest job waiting behind a blocked key (0: none waits).", MetricType::Gauge)
-                .seconds()
-                .samples(each(|g| g.blocked_oldest_waiting_secs)),
+            Family::new(
+                "jobs",
+                "Jobs in the database by queue and open or parked state (pending, waiting, running, held, dead).",
+                MetricType::Gauge,
+            )
+            .samples(by_state),
+            Family::new(
+                "oldest_eligible_age",
+                "How long the oldest due pending job has waited to be claimed (0: none due).",
+                MetricType::Gauge,
+            )
+            .seconds()
+            .samples(each(|g| Value::Age(g.oldest_eligible_secs))),
+            Family::new(
+                "oldest_running_age",
+                "Time since the oldest running job was claimed (0: none running).",
+                MetricType::Gauge,
+            )
+            .seconds()
+            .samples(each(|g| Value::Age(g.oldest_running_secs))),
+            Family::new(
+                "blocked_keys",
+                "Keys whose head is held, or dead with the default key policy: their later jobs wait for an operator.",
+                MetricType::Gauge,
+            )
+            .samples(each(|g| Value::Level(g.blocked_keys.max(0) as u64))),
+            Family::new(
+                "blocked_oldest_waiting_age",
+                "Age of the oldest job waiting behind a blocked key (0: none waits).",
+                MetricType::Gauge,
+            )
+            .seconds()
+            .samples(each(|g| Value::Age(g.blocked_oldest_waiting_secs))),
         ]
     }
 }

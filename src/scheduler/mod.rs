@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::handler::{Handler as JobHandler, Registry};
 use crate::job::{JobId, NewJob, OwnerId};
 use crate::metrics::MetricsSnapshot;
-use crate::store::{QueueGauges, QueueStats, ReapReport, Store};
+use crate::store::{QueueStats, ReapReport, Store};
 use runtime::Core;
 
 /// Collects handlers, then starts the scheduler.
@@ -188,23 +188,6 @@ impl Scheduler {
     /// Queue figures from the database (all processes).
     pub async fn queue_stats(&self) -> Result<Vec<QueueStats>> {
         self.env().host_store.queue_stats().await
-    }
-
-    /// Per-queue gauges from the database (all processes), for every configured queue
-    /// (zeros where a queue has no open job) and any other queue with open jobs. Reads
-    /// open and parked jobs only: see [`Store::queue_gauges`] for the cost.
-    pub async fn queue_gauges(&self) -> Result<Vec<QueueGauges>> {
-        let mut gauges = self.env().host_store.queue_gauges().await?;
-        for queue in &self.config().queues {
-            if !gauges.iter().any(|g| &g.queue == queue) {
-                gauges.push(QueueGauges {
-                    queue: queue.clone(),
-                    ..Default::default()
-                });
-            }
-        }
-        gauges.sort_by(|a, b| a.queue.cmp(&b.queue));
-        Ok(gauges)
     }
 
     /// Run one reap pass now.

@@ -1,6 +1,6 @@
-//! Queue statistics for the metrics snapshot and the Prometheus gauges: depth by state, oldest eligible job,
-//! lease ages, expiries and blocked keys — all read from the database, so they hold
-//! across processes.
+//! Queue statistics for the metrics snapshot and the Prometheus gauges: depth by state,
+//! oldest eligible job, lease ages, expiries and blocked keys — all read from the
+//! database, so they hold across processes.
 
 use std::collections::BTreeMap;
 
