@@ -10,7 +10,9 @@
 //!   fulfilled in order) in ONE transaction. An order over the quantity limit is refused
 //!   after both writes, and the rollback takes the job with it.
 //! - `GET /orders/{id}`: the order and the state of its job.
-//! - `GET /metrics`: the scheduler's metrics snapshot, one `name value` line each.
+//! - `GET /metrics`: Prometheus (or OpenMetrics) text, mounted by
+//!   `leasehold::web::metrics_route_with`: attempts by queue, kind and outcome, latency
+//!   histograms, mailbox figures, and per-queue gauges read from the database.
 //!
 //! The handler fulfils the order and completes its job in the same transaction
 //! (`JobContext::complete_in`), fenced: a worker that lost its lease changes nothing.
@@ -36,6 +38,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use actix_web::{web, App, HttpResponse, HttpServer};
+use leasehold::web::metrics_route_with;
 use leasehold::{
     CompleteOutcome, Config, Handler, JobContext, JobError, JobId, NewJob, Scheduler, Store,
     StoreOptions,
@@ -219,16 +222,6 @@ async fn get_order(state: web::Data<AppState>, id: web::Path<i64>) -> HttpRespon
     }
 }
 
-async fn metrics(state: web::Data<AppState>) -> HttpResponse {
-    let mut text = String::new();
-    for (name, value) in leasehold::metrics::flatten(&state.scheduler.metrics()) {
-        text.push_str(&format!("{name} {value}\n"));
-    }
-    HttpResponse::Ok()
-        .content_type("text/plain; charset=utf-8")
-        .body(text)
-}
-
 // ---------------------------------------------------------------------------------
 // Setup and the main loop.
 // ---------------------------------------------------------------------------------
@@ -358,11 +351,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
         orders: orders.clone(),
     });
     let server = HttpServer::new(move || {
+        // `/metrics` reads its gauges through the web workers' pool, as the other routes do.
+        let metrics = metrics_route_with(state.scheduler.clone(), state.jobs.clone());
         App::new()
             .app_data(state.clone())
             .route("/orders", web::post().to(create_order))
             .route("/orders/{id}", web::get().to(get_order))
-            .route("/metrics", web::get().to(metrics))
+            .service(metrics)
     })
     .workers(2)
     .shutdown_timeout(10)
@@ -532,16 +527,19 @@ async fn run_demo(addr: SocketAddr) -> Result<usize, String> {
 
     let (status, text) = request(addr, "GET", "/metrics", None).await?;
     println!("GET /metrics -> {status}");
+    let completed_line =
+        r#"leasehold_attempts_total{queue="default",kind="fulfil_order",outcome="completed"} "#;
     let mut completed = None;
     for line in text.lines() {
-        if line.starts_with("leasehold_claimed ")
-            || line.starts_with("leasehold_completed ")
-            || line.starts_with("leasehold_in_flight ")
-            || line.starts_with("leasehold_mailbox_handled")
+        if line.starts_with("leasehold_claimed_total ")
+            || line.starts_with(completed_line)
+            || line.starts_with("leasehold_jobs_in_flight ")
+            || line.starts_with("leasehold_jobs{")
+            || line.starts_with("leasehold_mailbox_handled_total")
         {
             println!("  {line}");
         }
-        if let Some(v) = line.strip_prefix("leasehold_completed ") {
+        if let Some(v) = line.strip_prefix(completed_line) {
             completed = v.trim().parse::<usize>().ok();
         }
     }

@@ -26,6 +26,7 @@ use crate::env::Env;
 use crate::error::Result;
 use crate::handler::AttemptError;
 use crate::job::{ClaimedJob, CompleteOutcome, FailOutcome};
+use crate::metrics::Outcome;
 use crate::store::Failure;
 
 /// How an attempt ended, as far as this scheduler knows.
@@ -42,6 +43,20 @@ pub(crate) enum Ended {
     Released,
     /// The ending could not be written (database unreachable); the lease will tell.
     Unknown,
+}
+
+impl Ended {
+    fn outcome(self) -> Outcome {
+        match self {
+            Ended::Completed => Outcome::Completed,
+            Ended::Retrying => Outcome::Retried,
+            Ended::Dead => Outcome::Dead,
+            Ended::Cancelled => Outcome::Cancelled,
+            Ended::Stale => Outcome::Stale,
+            Ended::Released => Outcome::Released,
+            Ended::Unknown => Outcome::Unknown,
+        }
+    }
 }
 
 enum Attempt {
@@ -153,9 +168,10 @@ async fn attempt_in_span(
 ) -> (Ended, Successor) {
     let _held = HeldJob(&env);
     let job = ctx.job();
+    let meter = env.metrics.job(&job.queue, &job.kind);
     if job.attempt == 1 {
         if let Ok(waited) = (job.claimed_at - job.created_at).to_std() {
-            env.metrics.record_start(waited);
+            env.metrics.record_start(&meter, waited);
         }
     }
     let attempt = match not_startable(&env, &ctx) {
@@ -163,7 +179,12 @@ async fn attempt_in_span(
             env.metrics.incr(|c| &c.not_started);
             instead
         }
-        None => run_handler(&env, &ctx).await,
+        None => {
+            let started = Instant::now();
+            let attempt = run_handler(&env, &ctx).await;
+            meter.ran_for(started.elapsed());
+            attempt
+        }
     };
     ctx.set_ending();
     // Chain the key's successor only while another slot is free: under saturation it
@@ -177,6 +198,7 @@ async fn attempt_in_span(
         (chain && spare && bytes_ok && job.key.is_some() && !env.stop_claiming.is_cancelled())
             .then_some(&next);
     let ended = write_ending(&env, &ctx, attempt, chain).await;
+    meter.ended(ended.outcome());
     let next = next.into_inner().unwrap_or_else(|p| p.into_inner());
     if let Successor::Claimed(next) = &next {
         // Counted before this attempt's own hold ends, so shutdown never sees a gap.

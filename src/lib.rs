@@ -9,10 +9,14 @@ mod executor;
 pub mod handler;
 pub mod job;
 pub mod metrics;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 pub mod scheduler;
 pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+#[cfg(feature = "actix-web")]
+pub mod web;
 
 pub use config::{Config, RetryPolicy};
 pub use context::{CancelReason, EffectKey, JobContext};

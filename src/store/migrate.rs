@@ -27,10 +27,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "a claim function whose plan needs no statistics; the claim index by queue",
         include_str!("../../migrations/0003_claim.sql"),
     ),
+    (
+        4,
+        "held and dead jobs by queue, for the metrics' gauges",
+        include_str!("../../migrations/0004_parked.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 3;
+pub const SCHEMA_VERSION: i32 = 4;
 
 /// Apply every missing migration to `schema`. A no-op when already applied.
 pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {

@@ -41,7 +41,7 @@ pub use lease::RenewReport;
 pub use migrate::SCHEMA_VERSION;
 pub use reap::ReapReport;
 pub use schema::Schema;
-pub use stats::{KeyBlock, QueueStats};
+pub use stats::{KeyBlock, QueueGauges, QueueStats};
 
 use crate::error::Result;
 

@@ -1,4 +1,5 @@
-//! Counters and mailbox gauges, read through [`Metrics::snapshot`].
+//! Counters, mailbox gauges, latency histograms and per-(queue, kind) figures, read
+//! through [`Metrics::snapshot`] (and exposed to Prometheus by `leasehold::prometheus`).
 //!
 //! actix 0.13 exposes no mailbox length, so leasehold counts: every send through a
 //! [`crate::actor::Metered`] address adds one to the actor kind's `sent`, every handled
@@ -6,12 +7,20 @@
 //! is kept at send time. A send into a full mailbox is counted as an overflow and still
 //! delivered.
 
-use std::collections::BTreeMap;
+mod histogram;
+mod jobs;
+
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
+
+pub use histogram::{HistogramSnapshot, LatencySummary};
+pub use jobs::{JobSnapshot, Outcome};
+
+use histogram::Histogram;
+use jobs::JobMeter;
 
 /// Counts for one actor kind (all sequencers share one meter).
 #[derive(Debug, Default)]
@@ -50,17 +59,14 @@ impl MailboxMeter {
 
     fn snapshot(&self, actor: &str) -> MailboxSnapshot {
         let handled = self.handled.load(Relaxed);
+        let handling_nanos = self.handling_nanos.load(Relaxed);
         MailboxSnapshot {
             actor: actor.to_string(),
             depth: self.depth(),
             high_water: self.high_water.load(Relaxed),
             handled,
-            mean_handling: Duration::from_nanos(
-                self.handling_nanos
-                    .load(Relaxed)
-                    .checked_div(handled)
-                    .unwrap_or(0),
-            ),
+            mean_handling: Duration::from_nanos(handling_nanos.checked_div(handled).unwrap_or(0)),
+            handling: Duration::from_nanos(handling_nanos),
             overflows: self.overflows.load(Relaxed),
         }
     }
@@ -91,19 +97,21 @@ pub struct MailboxSnapshot {
     pub handled: u64,
     /// Mean time spent in a handler (not counting futures it spawned).
     pub mean_handling: Duration,
+    /// Total time spent in handlers.
+    pub handling: Duration,
     /// Sends that found the mailbox at capacity (delivered anyway).
     pub overflows: u64,
 }
 
 macro_rules! counters {
-    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+    ($($(#[doc = $doc:literal])* $name:ident),* $(,)?) => {
         /// The scheduler's own counters (monotonic since start).
         #[derive(Debug, Default)]
-        pub struct Counters { $($(#[$doc])* pub $name: AtomicU64,)* }
+        pub struct Counters { $($(#[doc = $doc])* pub $name: AtomicU64,)* }
 
         /// A copy of [`Counters`] at one moment.
         #[derive(Clone, Debug, Default, PartialEq, Eq)]
-        pub struct CounterSnapshot { $($(#[$doc])* pub $name: u64,)* }
+        pub struct CounterSnapshot { $($(#[doc = $doc])* pub $name: u64,)* }
 
         impl Counters {
             fn snapshot(&self) -> CounterSnapshot {
@@ -115,6 +123,11 @@ macro_rules! counters {
             /// (name, value) pairs, for exporters.
             pub fn pairs(&self) -> Vec<(&'static str, u64)> {
                 vec![$((stringify!($name), self.$name),)*]
+            }
+
+            /// (name, doc comment, value) triples: exporters use the doc as help text.
+            pub fn described(&self) -> Vec<(&'static str, &'static str, u64)> {
+                vec![$((stringify!($name), concat!($($doc),*).trim_start(), self.$name),)*]
             }
         }
     };
@@ -195,6 +208,8 @@ pub struct Metrics {
     mailboxes: DashMap<&'static str, Arc<MailboxMeter>>,
     claim_latency: Histogram,
     start_latency: Histogram,
+    /// Per (queue, kind).
+    jobs: DashMap<(String, String), Arc<JobMeter>>,
     /// Jobs this scheduler holds now: running, or claimed and queued for their key.
     pub(crate) in_flight: AtomicU64,
     /// Sequencer actors alive now.
@@ -220,8 +235,19 @@ impl Metrics {
         self.claim_latency.record(took);
     }
 
-    pub(crate) fn record_start(&self, waited: Duration) {
+    /// A first attempt started `waited` after its job became due.
+    pub(crate) fn record_start(&self, job: &JobMeter, waited: Duration) {
         self.start_latency.record(waited);
+        job.started_after(waited);
+    }
+
+    /// The meter of one (queue, kind), made on first use.
+    pub(crate) fn job(&self, queue: &str, kind: &str) -> Arc<JobMeter> {
+        let key = (queue.to_string(), kind.to_string());
+        if let Some(meter) = self.jobs.get(&key) {
+            return meter.clone();
+        }
+        self.jobs.entry(key).or_default().clone()
     }
 
     pub fn snapshot(&self) -> MetricsSnapshot {
@@ -231,6 +257,12 @@ impl Metrics {
             .map(|e| e.value().snapshot(e.key()))
             .collect();
         mailboxes.sort_by(|a, b| a.actor.cmp(&b.actor));
+        let mut jobs: Vec<JobSnapshot> = self
+            .jobs
+            .iter()
+            .map(|e| e.value().snapshot(&e.key().0, &e.key().1))
+            .collect();
+        jobs.sort_by(|a, b| (&a.queue, &a.kind).cmp(&(&b.queue, &b.kind)));
         MetricsSnapshot {
             counters: self.counters.snapshot(),
             mailboxes,
@@ -239,12 +271,14 @@ impl Metrics {
             ready: self.ready.load(Relaxed),
             claim_latency: self.claim_latency.summary(),
             enqueue_to_start: self.start_latency.summary(),
+            claim_histogram: self.claim_latency.snapshot(),
+            jobs,
         }
     }
 }
 
 /// Everything at one moment.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct MetricsSnapshot {
     pub counters: CounterSnapshot,
     pub mailboxes: Vec<MailboxSnapshot>,
@@ -257,102 +291,22 @@ pub struct MetricsSnapshot {
     pub claim_latency: LatencySummary,
     /// Database time from enqueue (or run-at) to claim, first attempts only.
     pub enqueue_to_start: LatencySummary,
+    /// `claim_latency` as buckets.
+    pub claim_histogram: HistogramSnapshot,
+    /// Figures per (queue, kind), sorted.
+    pub jobs: Vec<JobSnapshot>,
 }
 
 impl MetricsSnapshot {
     pub fn mailbox(&self, actor: &str) -> Option<&MailboxSnapshot> {
         self.mailboxes.iter().find(|m| m.actor == actor)
     }
-}
 
-/// Quantiles from a log-scale histogram (bucket upper bounds, so within 2x).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LatencySummary {
-    pub count: u64,
-    pub p50: Duration,
-    pub p99: Duration,
-    pub max: Duration,
-}
-
-/// Power-of-two microsecond buckets: cheap, lock-free, good enough for p50/p99.
-#[derive(Debug)]
-struct Histogram {
-    buckets: [AtomicU64; 40],
-    max_micros: AtomicU64,
-}
-
-impl Default for Histogram {
-    fn default() -> Self {
-        Histogram {
-            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
-            max_micros: AtomicU64::new(0),
-        }
+    pub fn job(&self, queue: &str, kind: &str) -> Option<&JobSnapshot> {
+        self.jobs
+            .iter()
+            .find(|j| j.queue == queue && j.kind == kind)
     }
-}
-
-impl Histogram {
-    fn record(&self, d: Duration) {
-        let us = d.as_micros().min(u64::MAX as u128) as u64;
-        let bucket = (64 - us.leading_zeros() as usize).min(39);
-        self.buckets[bucket].fetch_add(1, Relaxed);
-        self.max_micros.fetch_max(us, Relaxed);
-    }
-
-    fn summary(&self) -> LatencySummary {
-        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Relaxed)).collect();
-        let count: u64 = counts.iter().sum();
-        let quantile = |q: f64| {
-            let target = ((count as f64) * q).ceil().max(1.0) as u64;
-            let mut seen = 0;
-            for (i, c) in counts.iter().enumerate() {
-                seen += c;
-                if seen >= target {
-                    return Duration::from_micros(if i == 0 { 0 } else { 1u64 << i });
-                }
-            }
-            Duration::ZERO
-        };
-        let max = Duration::from_micros(self.max_micros.load(Relaxed));
-        if count == 0 {
-            return LatencySummary::default();
-        }
-        LatencySummary {
-            count,
-            p50: quantile(0.5).min(max),
-            p99: quantile(0.99).min(max),
-            max,
-        }
-    }
-}
-
-/// Counters keyed by name, for exporters that want a flat map.
-pub fn flatten(snapshot: &MetricsSnapshot) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    for (name, value) in snapshot.counters.pairs() {
-        out.insert(format!("leasehold_{name}"), value);
-    }
-    for m in &snapshot.mailboxes {
-        out.insert(
-            format!("leasehold_mailbox_depth{{actor=\"{}\"}}", m.actor),
-            m.depth,
-        );
-        out.insert(
-            format!("leasehold_mailbox_high_water{{actor=\"{}\"}}", m.actor),
-            m.high_water,
-        );
-        out.insert(
-            format!("leasehold_mailbox_handled{{actor=\"{}\"}}", m.actor),
-            m.handled,
-        );
-        out.insert(
-            format!("leasehold_mailbox_overflows{{actor=\"{}\"}}", m.actor),
-            m.overflows,
-        );
-    }
-    out.insert("leasehold_in_flight".into(), snapshot.in_flight);
-    out.insert("leasehold_sequencers".into(), snapshot.sequencers);
-    out.insert("leasehold_ready".into(), snapshot.ready);
-    out
 }
 
 #[cfg(test)]
@@ -371,20 +325,5 @@ mod tests {
         drop(m.handling());
         let s = m.snapshot("x");
         assert_eq!((s.depth, s.high_water, s.handled), (0, 3, 3));
-    }
-
-    #[test]
-    fn histogram_quantiles_are_within_a_factor_of_two() {
-        let h = Histogram::default();
-        for ms in 1..=100 {
-            h.record(Duration::from_millis(ms));
-        }
-        let s = h.summary();
-        assert_eq!(s.count, 100);
-        assert!(
-            s.p50 >= Duration::from_millis(25) && s.p50 <= Duration::from_millis(100),
-            "{s:?}"
-        );
-        assert_eq!(s.max, Duration::from_millis(100));
     }
 }
