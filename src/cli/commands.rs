@@ -11,7 +11,7 @@ use super::args::{Command, JobsArgs};
 use super::text::{age, shown_opt, since, table};
 use super::{show, Failure, Printed};
 use crate::job::{JobId, JobState};
-use crate::store::{CancelOutcome, JobFilter, PruneReport, Store, SCHEMA_VERSION};
+use crate::store::{CancelOutcome, JobFilter, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
 
 /// Blocked keys read for `status`'s count: past this the count says `N+`, and
 /// `keys --blocked` lists them.
@@ -94,7 +94,7 @@ async fn jobs(store: &Store, args: &JobsArgs) -> Result<Printed, Failure> {
     };
     let page = store.list_jobs(&filter).await?;
     // A full page may have a next one; a short page is the last.
-    let next = (page.len() as i64 >= filter.limit.max(1))
+    let next = (page.len() as i64 >= filter.limit.clamp(1, MAX_PAGE))
         .then(|| page.last().map(|j| j.id.0))
         .flatten();
     // Ages against this machine's clock: a display, not a deadline.

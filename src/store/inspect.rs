@@ -76,10 +76,12 @@ pub struct LeaseExpiry {
 }
 
 /// Each filter is a parameter that may be null. With the values bound, PostgreSQL's
-/// custom plans fold `NULL IS NULL OR ...` away, so a state, key or queue filter can
-/// use the partial indexes where they are cheaper than walking the primary key. A
-/// rare match among many rows (a few dead jobs among millions done) still reads the
-/// key range until the page is full: the limit bounds the answer, not the scan.
+/// custom plans fold `NULL IS NULL OR ...` away. A common match (no filter, or pending
+/// among done) walks the primary key and stops at the limit: 0.1 ms at 500k rows. A
+/// rare one (50 dead jobs among 500k done) finds no index to use and scans the table,
+/// 66 ms there: the limit bounds the answer, not the scan. A partial index on
+/// `(id) WHERE state IN ('dead', 'held')` would make the dead-letter listing an index
+/// scan at almost no write cost (rows enter it only when they die or are held).
 const LIST_JOBS: &str = r#"/* leasehold:list_jobs */
 SELECT __COLUMNS__ FROM {s}.jobs
 WHERE id > $1
