@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 use common::*;
 use leasehold::{ClaimRequest, Failure, JobId, NewJob};
@@ -17,6 +17,8 @@ async fn cli(db: &TestDb, args: &[&str]) -> Output {
     cmd.args(["--schema", &db.schema])
         .args(args)
         .env_remove("DATABASE_URL")
+        // No terminal: a bulk action is never confirmed at a prompt.
+        .stdin(Stdio::null())
         .env("PGDATABASE", test_db_name());
     for (var, default) in [
         ("PGHOST", "127.0.0.1"),
@@ -367,6 +369,80 @@ async fn prune_deletes_finished_jobs_and_keeps_dead_letters() {
             db.state_of(dead).await,
             "dead",
             "dead letters are never pruned"
+        );
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_retry_changes_nothing_until_confirmed_then_retries_every_selected_job() {
+    bounded(async {
+        let db = TestDb::new("cli_bulk").await;
+        let mut charges = Vec::new();
+        let mut refund = None;
+        for kind in ["charge", "charge", "charge", "refund"] {
+            let id = db.store.enqueue(job(kind)).await.unwrap();
+            let mut req = ClaimRequest::new(owner("w"), vec!["default".into()], 1, LEASE);
+            req.kinds = Some(vec![kind.into()]);
+            let claimed = db.store.claim(&req).await.unwrap().remove(0);
+            let fatal = Failure {
+                reason: "declined".into(),
+                permanent: true,
+            };
+            db.store
+                .fail(&claimed.fence(), &fatal, &fixed_backoff(1))
+                .await
+                .unwrap();
+            match kind {
+                "charge" => charges.push(id),
+                _ => refund = Some(id),
+            }
+        }
+        let refund = refund.unwrap();
+
+        let unconfirmed = cli(&db, &["retry", "--kind", "charge"]).await;
+        assert_eq!(unconfirmed.status.code(), Some(1));
+        let stderr = String::from_utf8_lossy(&unconfirmed.stderr);
+        assert!(
+            stderr.contains("3 jobs match; nothing was changed"),
+            "{stderr}"
+        );
+        for id in &charges {
+            assert_eq!(
+                db.state_of(*id).await,
+                "dead",
+                "nothing changes without a yes"
+            );
+        }
+
+        let report = json(&db, &["retry", "--kind", "charge", "--yes"]).await;
+        assert_eq!(report["matched"], 3);
+        let done: Vec<i64> = report["done"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_i64().unwrap())
+            .collect();
+        assert_eq!(done, charges.iter().map(|id| id.0).collect::<Vec<_>>());
+        for id in &charges {
+            assert_eq!(db.state_of(*id).await, "pending");
+        }
+        assert_eq!(
+            db.state_of(refund).await,
+            "dead",
+            "another kind is not selected"
+        );
+
+        let one = ok(&db, &["retry", "--kind", "refund"]).await;
+        assert_eq!(
+            one, "retry: 1 of 1 selected jobs done\n",
+            "one job needs no yes"
+        );
+        assert_eq!(
+            cli(&db, &["retry"]).await.status.code(),
+            Some(2),
+            "an id or a filter"
         );
         db.drop().await;
     })

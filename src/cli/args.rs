@@ -42,29 +42,24 @@ pub(crate) enum Command {
         #[arg(long)]
         full: bool,
     },
-    /// Retry a dead job from a fresh attempt count.
-    Retry {
-        /// The job id.
-        id: i64,
-    },
+    /// Retry a dead job from a fresh attempt count (or every dead job a filter selects).
+    Retry(Target),
     /// Cancel a job that has not finished (a running job is asked to stop).
     Cancel {
-        /// The job id.
-        id: i64,
+        #[command(flatten)]
+        target: Target,
+        /// With filters: only jobs in this state (default: every state but done and
+        /// cancelled).
+        #[arg(long, value_parser = state, conflicts_with = "id")]
+        state: Option<JobState>,
         /// Recorded in the job's history and last error.
         #[arg(long, default_value = "cancelled from the command line")]
         reason: String,
     },
     /// Hold a pending job: it is not claimed until released.
-    Hold {
-        /// The job id.
-        id: i64,
-    },
+    Hold(Target),
     /// Release a held job: it is pending again.
-    Release {
-        /// The job id.
-        id: i64,
-    },
+    Release(Target),
     /// Keys blocked by a dead or held head, with the head and why it stopped.
     Keys {
         /// List the blocked keys (the only listing of keys there is).
@@ -115,6 +110,28 @@ pub(crate) struct JobsArgs {
     /// Start after this job id (the `next page` hint of the previous page).
     #[arg(long)]
     pub after: Option<i64>,
+}
+
+/// The job an action is for: one id, or every job the filters select (in the states
+/// the action applies to). More than one job needs a confirmation.
+#[derive(Debug, Args)]
+pub(crate) struct Target {
+    /// The job id. Without it, the filters select the jobs.
+    #[arg(required_unless_present_any = ["queue", "kind", "key"])]
+    pub id: Option<i64>,
+    /// Select the jobs of this queue.
+    #[arg(long, conflicts_with = "id")]
+    pub queue: Option<String>,
+    /// Select the jobs of this kind (e.g. the dead letters of one kind).
+    #[arg(long, conflicts_with = "id")]
+    pub kind: Option<String>,
+    /// Select the jobs of this ordering key (e.g. a blocked key).
+    #[arg(long, conflicts_with = "id")]
+    pub key: Option<String>,
+    /// Act on every selected job without asking (needed for more than one job when
+    /// standard input is not a terminal).
+    #[arg(long)]
+    pub yes: bool,
 }
 
 fn duration(text: &str) -> Result<Duration, String> {

@@ -7,11 +7,12 @@ use std::time::Duration;
 use chrono::Utc;
 use serde_json::json;
 
+use super::actions::{self, Action};
 use super::args::{Command, JobsArgs};
 use super::text::{age, shown_opt, since, table};
 use super::{show, Failure, Printed};
 use crate::job::{JobId, JobState};
-use crate::store::{CancelOutcome, JobFilter, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
+use crate::store::{JobFilter, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
 
 /// Blocked keys read for `status`'s count: past this the count says `N+`, and
 /// `keys --blocked` lists them.
@@ -23,10 +24,14 @@ pub(crate) async fn dispatch(store: &Store, command: &Command) -> Result<Printed
         Command::Status => status(store).await,
         Command::Jobs(args) => jobs(store, args).await,
         Command::Job { id, full } => show::job(store, JobId(*id), *full).await,
-        Command::Retry { id } => act(store, JobId(*id), Action::Retry).await,
-        Command::Cancel { id, reason } => act(store, JobId(*id), Action::Cancel(reason)).await,
-        Command::Hold { id } => act(store, JobId(*id), Action::Hold).await,
-        Command::Release { id } => act(store, JobId(*id), Action::Release).await,
+        Command::Retry(target) => actions::run(store, target, Action::Retry).await,
+        Command::Cancel {
+            target,
+            state,
+            reason,
+        } => actions::run(store, target, Action::Cancel(reason, *state)).await,
+        Command::Hold(target) => actions::run(store, target, Action::Hold).await,
+        Command::Release(target) => actions::run(store, target, Action::Release).await,
         Command::Keys { limit, .. } => blocked_keys(store, *limit).await,
         Command::Migrate { print: true } => migration_script(store).await,
         Command::Migrate { print: false } => migrate(store).await,
@@ -135,54 +140,6 @@ async fn jobs(store: &Store, args: &JobsArgs) -> Result<Printed, Failure> {
     Ok(Printed {
         text,
         json: json!({ "jobs": page, "next_after": next }),
-    })
-}
-
-/// An operator action on one job.
-enum Action<'a> {
-    Retry,
-    Cancel(&'a str),
-    Hold,
-    Release,
-}
-
-impl Action<'_> {
-    fn name(&self) -> &'static str {
-        match self {
-            Action::Retry => "retry",
-            Action::Cancel(_) => "cancel",
-            Action::Hold => "hold",
-            Action::Release => "release",
-        }
-    }
-}
-
-/// Do the action, then read the job back, so the output shows the state it is in now
-/// (a retried job of a busy key is `waiting`, not `pending`).
-async fn act(store: &Store, id: JobId, action: Action<'_>) -> Result<Printed, Failure> {
-    let before = store.job(id).await?.state;
-    let mut note = None;
-    match action {
-        Action::Retry => store.retry_dead(id).await?,
-        Action::Hold => store.hold(id).await?,
-        Action::Release => store.release_hold(id).await?,
-        Action::Cancel(reason) => {
-            if store.cancel(id, reason).await? == CancelOutcome::Requested {
-                note = Some("it is running: its owner was asked to stop, and it ends cancelled unless that attempt completes");
-            }
-        }
-    }
-    let after = store.job(id).await?.state;
-    let mut text = format!("job {id}: {} done, {before} -> {after}\n", action.name());
-    if let Some(note) = note {
-        text += &format!("{note}\n");
-    }
-    Ok(Printed {
-        text,
-        json: json!({
-            "id": id, "action": action.name(), "before": before, "after": after,
-            "cancel_requested": note.is_some(),
-        }),
     })
 }
 

@@ -12,10 +12,11 @@
 //! | code | meaning |
 //! |------|---------|
 //! | 0 | done |
-//! | 1 | refused: an unknown job id, or an action the job's state does not allow |
+//! | 1 | refused: an unknown job id, an action the job's state does not allow, a bulk action not confirmed (nothing changed) or refused for some of its jobs (the report lists them) |
 //! | 2 | usage: an unknown command or a bad argument (clap's own code) |
 //! | 3 | failed: the database could not be reached or refused a statement |
 
+mod actions;
 mod args;
 mod commands;
 mod show;
@@ -32,6 +33,7 @@ use crate::store::{Store, StoreOptions};
 use args::Cli;
 
 /// What a command prints: a table for people, or JSON for scripts.
+#[derive(Debug)]
 pub(crate) struct Printed {
     /// Shown by default.
     pub text: String,
@@ -46,6 +48,8 @@ pub(crate) enum Failure {
     Refused(String),
     /// Something went wrong on the way (database unreachable or failing): exit 3.
     Failed(String),
+    /// Part of a bulk action was refused: its report is printed as usual, then exit 1.
+    Partial(Printed),
 }
 
 impl From<Error> for Failure {
@@ -79,14 +83,22 @@ pub fn main() -> ExitCode {
     };
     match runtime.block_on(run(&cli)) {
         Ok(printed) => {
-            if cli.json {
-                println!("{:#}", printed.json);
-            } else {
-                print!("{}", printed.text);
-            }
+            print_out(&printed, cli.json);
             ExitCode::SUCCESS
         }
+        Err(Failure::Partial(printed)) => {
+            print_out(&printed, cli.json);
+            ExitCode::from(1)
+        }
         Err(failure) => fail(failure),
+    }
+}
+
+fn print_out(printed: &Printed, json: bool) {
+    if json {
+        println!("{:#}", printed.json);
+    } else {
+        print!("{}", printed.text);
     }
 }
 
@@ -94,6 +106,7 @@ fn fail(failure: Failure) -> ExitCode {
     let (message, code) = match failure {
         Failure::Refused(m) => (m, 1),
         Failure::Failed(m) => (m, 3),
+        Failure::Partial(p) => (p.text, 1),
     };
     eprintln!("leasehold: {message}");
     ExitCode::from(code)
