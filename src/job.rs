@@ -286,7 +286,7 @@ impl ClaimedJob {
 }
 
 /// A job row as an operator sees it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize)]
 pub struct JobRecord {
     pub id: JobId,
     pub queue: String,
@@ -314,7 +314,7 @@ pub struct JobRecord {
 }
 
 /// One line of a job's history.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize)]
 pub struct JobEvent {
     pub job: JobId,
     pub generation: Generation,

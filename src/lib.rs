@@ -1,6 +1,8 @@
 #![doc = include_str!("../README.md")]
 
 mod actor;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod config;
 pub mod context;
 mod env;

@@ -23,12 +23,13 @@ use super::{sanitize_error_text, secs, Store};
 use crate::error::{Error, Result};
 use crate::job::{Generation, JobEvent, JobId, JobRecord, JobState};
 
-const JOB_COLUMNS: &str = "id, queue, kind, job_key, key_seq, priority, state, payload, result, attempts, \
+pub(super) const JOB_COLUMNS: &str = "id, queue, kind, job_key, key_seq, priority, state, payload, result, attempts, \
      max_attempts, generation, owner, lease_until, available_at, created_at, finished_at, last_error, \
      dead_blocks_key, cancel_requested_at";
 
 /// What [`Store::cancel`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum CancelOutcome {
     /// The job was not running: it is cancelled now (a head's key moved on).
     Cancelled,
@@ -39,17 +40,20 @@ pub enum CancelOutcome {
 }
 
 /// What the retention policy deleted.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PruneReport {
+    /// Done and cancelled jobs deleted, with their history and expiry records.
     pub jobs: u64,
+    /// Effect-ledger rows deleted.
     pub effects: u64,
+    /// Key rows deleted (no job referred to them any more).
     pub keys: u64,
 }
 
 /// A job row for an operator. Any row can be shown: a payload or result that cannot be
 /// decoded comes back as null with the reason in `payload_error`, so a poison job can
 /// still be looked at and cancelled.
-fn record_from_row(row: &PgRow) -> Result<JobRecord> {
+pub(super) fn record_from_row(row: &PgRow) -> Result<JobRecord> {
     let state: String = row.try_get("state")?;
     let mut errors = Vec::new();
     let mut json = |column: &str| match row.try_get::<Option<serde_json::Value>, _>(column) {

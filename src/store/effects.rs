@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
 use sqlx::Row;
 
 use super::{secs, Store};
@@ -32,7 +33,7 @@ SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_u
 FROM {s}.effects WHERE effect_key = $1"#;
 
 /// A recorded effect.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct EffectRecord {
     pub effect_key: String,
     pub job: JobId,
@@ -41,6 +42,18 @@ pub struct EffectRecord {
     pub outcome: serde_json::Value,
     pub recorded_at: DateTime<Utc>,
     pub keep_until: DateTime<Utc>,
+}
+
+fn effect_from_row(r: &PgRow) -> Result<EffectRecord> {
+    Ok(EffectRecord {
+        effect_key: r.try_get("effect_key")?,
+        job: JobId(r.try_get("job_id")?),
+        generation: Generation(r.try_get("generation")?),
+        fingerprint: r.try_get("fingerprint")?,
+        outcome: r.try_get("outcome")?,
+        recorded_at: r.try_get("recorded_at")?,
+        keep_until: r.try_get("keep_until")?,
+    })
 }
 
 /// Result of recording an effect's outcome.
@@ -61,18 +74,18 @@ impl Store {
             .bind(effect_key)
             .fetch_optional(self.pool())
             .await?;
-        row.map(|r| {
-            Ok(EffectRecord {
-                effect_key: r.try_get("effect_key")?,
-                job: JobId(r.try_get("job_id")?),
-                generation: Generation(r.try_get("generation")?),
-                fingerprint: r.try_get("fingerprint")?,
-                outcome: r.try_get("outcome")?,
-                recorded_at: r.try_get("recorded_at")?,
-                keep_until: r.try_get("keep_until")?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(effect_from_row).transpose()
+    }
+
+    /// The effects a job recorded, oldest first (for an operator looking at the job;
+    /// `effects_by_job` finds them).
+    pub async fn job_effects(&self, id: JobId) -> Result<Vec<EffectRecord>> {
+        let sql = self.schema().render(
+            "SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_until
+             FROM {s}.effects WHERE job_id = $1 ORDER BY recorded_at, effect_key",
+        );
+        let rows = sqlx::query(&sql).bind(id.0).fetch_all(self.pool()).await?;
+        rows.iter().map(effect_from_row).collect()
     }
 
     /// Record an effect's outcome under the fence. `keep` is how long the ledger must

@@ -5,7 +5,7 @@
 //! lock, so the second one finds nothing to do. The host's `_sqlx_migrations` table is
 //! never touched.
 
-use sqlx::{Connection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool};
 
 use super::schema::Schema;
 use crate::error::{Error, Result};
@@ -37,46 +37,61 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// The newest schema version this build knows.
 pub const SCHEMA_VERSION: i32 = 4;
 
+/// Serializes migrations of one schema across processes, and a printed script with them.
+const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";
+
+const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.leasehold_migrations (
+    version     integer PRIMARY KEY,
+    description text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now())";
+
+// Every column of the schema is documented, this table's too.
+const VERSION_TABLE_COMMENTS: &str = "COMMENT ON TABLE {s}.leasehold_migrations IS 'Schema versions applied by leasehold (its own table; the host''s _sqlx_migrations is never used).';
+COMMENT ON COLUMN {s}.leasehold_migrations.version IS 'Migration version, applied in ascending order, each once.';
+COMMENT ON COLUMN {s}.leasehold_migrations.description IS 'What the migration created or changed.';
+COMMENT ON COLUMN {s}.leasehold_migrations.applied_at IS 'Database time the migration was applied.';";
+
+const RECORD_VERSION: &str =
+    "INSERT INTO {s}.leasehold_migrations (version, description) VALUES ($1, $2)";
+
+/// The versions applied to `schema`; none when it has no version table yet.
+async fn applied_versions(conn: &mut PgConnection, schema: &Schema) -> Result<Vec<i32>> {
+    let fresh: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
+        .bind(schema.render("{s}.leasehold_migrations"))
+        .fetch_one(&mut *conn)
+        .await?;
+    if fresh {
+        return Ok(Vec::new());
+    }
+    Ok(
+        sqlx::query_scalar(&schema.render("SELECT version FROM {s}.leasehold_migrations"))
+            .fetch_all(&mut *conn)
+            .await?,
+    )
+}
+
 /// Apply every missing migration to `schema`. A no-op when already applied.
 pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
     let mut conn = pool.acquire().await?;
     let mut tx = conn.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))")
+    sqlx::query(LOCK)
         .bind(schema.name())
         .execute(&mut *tx)
         .await?;
     sqlx::query(&schema.render("CREATE SCHEMA IF NOT EXISTS {s}"))
         .execute(&mut *tx)
         .await?;
-    let fresh: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
-        .bind(schema.render("{s}.leasehold_migrations"))
-        .fetch_one(&mut *tx)
-        .await?;
-    sqlx::query(&schema.render(
-        "CREATE TABLE IF NOT EXISTS {s}.leasehold_migrations (
-             version     integer PRIMARY KEY,
-             description text NOT NULL,
-             applied_at  timestamptz NOT NULL DEFAULT now())",
-    ))
-    .execute(&mut *tx)
-    .await?;
-    if fresh {
-        // Every column of the schema is documented, this table's too.
+    let applied = applied_versions(&mut tx, schema).await?;
+    if applied.is_empty() {
+        sqlx::query(&schema.render(VERSION_TABLE))
+            .execute(&mut *tx)
+            .await?;
         sqlx::Executor::execute(
             &mut *tx,
-            sqlx::raw_sql(&schema.render(
-                "COMMENT ON TABLE {s}.leasehold_migrations IS 'Schema versions applied by leasehold (its own table; the host''s _sqlx_migrations is never used).';
-                 COMMENT ON COLUMN {s}.leasehold_migrations.version IS 'Migration version, applied in ascending order, each once.';
-                 COMMENT ON COLUMN {s}.leasehold_migrations.description IS 'What the migration created or changed.';
-                 COMMENT ON COLUMN {s}.leasehold_migrations.applied_at IS 'Database time the migration was applied.';",
-            )),
+            sqlx::raw_sql(&schema.render(VERSION_TABLE_COMMENTS)),
         )
         .await?;
     }
-    let applied: Vec<i32> =
-        sqlx::query_scalar(&schema.render("SELECT version FROM {s}.leasehold_migrations"))
-            .fetch_all(&mut *tx)
-            .await?;
     for &(version, description, template) in MIGRATIONS {
         if applied.contains(&version) {
             continue;
@@ -87,15 +102,11 @@ pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
         sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&sql))
             .await
             .map_err(|source| Error::Migration { version, source })?;
-        sqlx::query(
-            &schema.render(
-                "INSERT INTO {s}.leasehold_migrations (version, description) VALUES ($1, $2)",
-            ),
-        )
-        .bind(version)
-        .bind(description)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query(&schema.render(RECORD_VERSION))
+            .bind(version)
+            .bind(description)
+            .execute(&mut *tx)
+            .await?;
         tracing::info!(
             schema = schema.name(),
             version,
@@ -105,4 +116,44 @@ pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
     }
     tx.commit().await?;
     Ok(())
+}
+
+/// The SQL [`migrate`] would run on `schema` now, as one script for teams that apply
+/// migrations themselves (`psql -1 -f`, or their own migration tool): one transaction
+/// that takes the same advisory lock, creates the schema and the version table if
+/// missing, applies the missing migrations and records them, so a later [`migrate`]
+/// finds nothing to do. Reads the applied versions; writes nothing. Empty of
+/// migrations (but still valid) when the schema is current.
+pub async fn script(pool: &PgPool, schema: &Schema) -> Result<String> {
+    let mut conn = pool.acquire().await?;
+    let applied = applied_versions(&mut conn, schema).await?;
+    let mut out = format!(
+        "-- leasehold schema {}: the migrations not yet applied (version {SCHEMA_VERSION} is the newest).\nBEGIN;\n",
+        schema.quoted()
+    );
+    // Schema names are validated identifiers (a-z, 0-9, _), safe inside a literal.
+    out += &LOCK.replace("$1", &format!("'{}'", schema.name()));
+    out += ";\n";
+    out += &schema.render("CREATE SCHEMA IF NOT EXISTS {s};\n");
+    if applied.is_empty() {
+        out += &schema.render(VERSION_TABLE);
+        out += ";\n";
+        out += &schema.render(VERSION_TABLE_COMMENTS);
+        out += "\n";
+    }
+    for &(version, description, template) in MIGRATIONS {
+        if applied.contains(&version) {
+            continue;
+        }
+        out += &format!("\n-- migration {version}: {description}\n");
+        out += template.replace("__SCHEMA__", schema.quoted()).trim_end();
+        out += "\n";
+        out += &schema
+            .render(RECORD_VERSION)
+            .replace("$1", &version.to_string())
+            .replace("$2", &format!("'{}'", description.replace('\'', "''")));
+        out += ";\n";
+    }
+    out += "COMMIT;\n";
+    Ok(out)
 }

@@ -18,6 +18,7 @@ mod enqueue;
 pub(crate) use enqueue::{check_name, unstorable_json};
 pub use enqueue::{MAX_DELAY, MAX_PAYLOAD_DEPTH};
 mod fail;
+mod inspect;
 mod keys;
 mod lease;
 mod migrate;
@@ -36,6 +37,7 @@ pub use claim::ClaimRequest;
 pub(crate) use complete::KeyedItem;
 pub use effects::{EffectRecord, RecordOutcome};
 pub use fail::Failure;
+pub use inspect::{JobFilter, LeaseExpiry, DEFAULT_PAGE, MAX_PAGE};
 pub(crate) use keys::Chain;
 pub use lease::RenewReport;
 pub use migrate::SCHEMA_VERSION;
@@ -140,6 +142,13 @@ impl Store {
     /// Create or upgrade the schema. Safe to call from many processes at once.
     pub async fn migrate(&self) -> Result<()> {
         migrate::migrate(&self.inner.pool, &self.inner.schema).await
+    }
+
+    /// The SQL [`Store::migrate`] would run now, as one script to apply by hand (it
+    /// records the versions it applies, so a later `migrate` finds nothing to do).
+    /// Reads which versions are applied; changes nothing.
+    pub async fn migration_script(&self) -> Result<String> {
+        migrate::script(&self.inner.pool, &self.inner.schema).await
     }
 
     /// The same store over another pool (the scheduler's maintenance connections).

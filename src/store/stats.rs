@@ -4,13 +4,15 @@
 
 use std::collections::BTreeMap;
 
+use chrono::{DateTime, Utc};
 use sqlx::Row;
 
 use super::Store;
 use crate::error::Result;
+use crate::job::JobId;
 
 /// Per-queue figures.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct QueueStats {
     pub queue: String,
     /// Jobs by state name.
@@ -47,11 +49,21 @@ pub struct QueueGauges {
 }
 
 /// A key whose head is dead or held, with jobs waiting behind it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct KeyBlock {
+    /// The queue of the key.
     pub queue: String,
+    /// The ordering key.
     pub key: String,
+    /// The job at the head of the key, the one that blocks it.
+    pub head: JobId,
+    /// `dead` or `held`.
     pub head_state: String,
+    /// Why the head stopped: a dead head's last error, or the note of its hold.
+    pub reason: Option<String>,
+    /// When the key stopped: the head's death, or the latest hold of it.
+    pub since: Option<DateTime<Utc>>,
+    /// Jobs of the key waiting behind the head.
     pub waiting: i64,
 }
 
@@ -158,10 +170,16 @@ impl Store {
     /// Keys blocked by a dead or held head, with the number of jobs waiting behind it.
     pub async fn blocked_keys(&self, limit: i64) -> Result<Vec<KeyBlock>> {
         let sql = self.schema().render(
-            "SELECT h.queue, h.job_key, h.state,
+            "SELECT h.id, h.queue, h.job_key, h.state,
+                    CASE WHEN h.state = 'dead' THEN h.last_error ELSE hold.detail END AS reason,
+                    CASE WHEN h.state = 'dead' THEN h.finished_at ELSE hold.at END AS since,
                     (SELECT count(*) FROM {s}.jobs w
                       WHERE w.queue = h.queue AND w.job_key = h.job_key AND w.state = 'waiting') AS waiting
              FROM {s}.jobs h
+             LEFT JOIN LATERAL (
+                 SELECT e.at, e.detail FROM {s}.job_events e
+                 WHERE e.job_id = h.id AND e.event = 'held' ORDER BY e.id DESC LIMIT 1
+             ) hold ON h.state = 'held'
              WHERE h.job_key IS NOT NULL AND h.state IN ('dead', 'held')
                AND (h.state = 'held' OR h.dead_blocks_key)
              ORDER BY h.id LIMIT $1",
@@ -172,7 +190,10 @@ impl Store {
                 Ok(KeyBlock {
                     queue: r.try_get("queue")?,
                     key: r.try_get("job_key")?,
+                    head: JobId(r.try_get("id")?),
                     head_state: r.try_get("state")?,
+                    reason: r.try_get("reason")?,
+                    since: r.try_get("since")?,
                     waiting: r.try_get("waiting")?,
                 })
             })

@@ -1,0 +1,227 @@
+//! The commands: each reads or acts through one [`Store`] call (or a few) and says
+//! what it found or did, as text and as JSON.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::json;
+
+use super::actions::{self, Action};
+use super::args::{Command, JobsArgs};
+use super::text::{age, shown_opt, since, table};
+use super::{show, Failure, Printed};
+use crate::job::{JobId, JobState};
+use crate::store::{JobFilter, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
+
+/// Blocked keys read for `status`'s count: past this the count says `N+`, and
+/// `keys --blocked` lists them.
+const BLOCKED_COUNTED: i64 = 10_000;
+
+/// Run one command.
+pub(crate) async fn dispatch(store: &Store, command: &Command) -> Result<Printed, Failure> {
+    match command {
+        Command::Status => status(store).await,
+        Command::Jobs(args) => jobs(store, args).await,
+        Command::Job { id, full } => show::job(store, JobId(*id), *full).await,
+        Command::Retry(target) => actions::run(store, target, Action::Retry).await,
+        Command::Cancel {
+            target,
+            state,
+            reason,
+        } => actions::run(store, target, Action::Cancel(reason, *state)).await,
+        Command::Hold(target) => actions::run(store, target, Action::Hold).await,
+        Command::Release(target) => actions::run(store, target, Action::Release).await,
+        Command::Keys { limit, .. } => blocked_keys(store, *limit).await,
+        Command::Migrate { print: true } => migration_script(store).await,
+        Command::Migrate { print: false } => migrate(store).await,
+        Command::Prune { older_than, batch } => prune(store, *older_than, *batch).await,
+    }
+}
+
+async fn status(store: &Store) -> Result<Printed, Failure> {
+    let stats = store.queue_stats().await?;
+    let blocked = store.blocked_keys(BLOCKED_COUNTED).await?;
+    let more = blocked.len() as i64 >= BLOCKED_COUNTED;
+    let mut blocked_by_queue: BTreeMap<&str, usize> = BTreeMap::new();
+    for b in &blocked {
+        *blocked_by_queue.entry(b.queue.as_str()).or_default() += 1;
+    }
+    let mut headers = vec!["QUEUE"];
+    headers.extend(JobState::ALL.iter().map(|s| s.as_str()));
+    headers.extend([
+        "OLDEST ELIGIBLE",
+        "OLDEST RUNNING",
+        "LEASE EXPIRIES",
+        "BLOCKED KEYS",
+    ]);
+    let mut rows = Vec::new();
+    let mut out = Vec::new();
+    for q in &stats {
+        let n_blocked = blocked_by_queue.get(q.queue.as_str()).copied().unwrap_or(0);
+        let mut row = vec![q.queue.clone()];
+        row.extend(
+            JobState::ALL
+                .iter()
+                .map(|s| q.by_state.get(s.as_str()).copied().unwrap_or(0).to_string()),
+        );
+        row.extend([
+            age(q.oldest_eligible_age_secs),
+            age(q.oldest_running_secs),
+            q.lease_expiries.to_string(),
+            format!("{n_blocked}{}", if more { "+" } else { "" }),
+        ]);
+        rows.push(row);
+        let mut value = serde_json::to_value(q).map_err(encode)?;
+        value["blocked_keys"] = json!(n_blocked);
+        out.push(value);
+    }
+    let text = if stats.is_empty() {
+        "no jobs\n".to_string()
+    } else {
+        table(&headers, &rows)
+    };
+    Ok(Printed {
+        text,
+        json: json!({ "queues": out, "blocked_keys_counted_up_to": BLOCKED_COUNTED }),
+    })
+}
+
+async fn jobs(store: &Store, args: &JobsArgs) -> Result<Printed, Failure> {
+    let filter = JobFilter {
+        queue: args.queue.clone(),
+        state: args.state,
+        kind: args.kind.clone(),
+        key: args.key.clone(),
+        older_than: args.older_than,
+        after: args.after.map(JobId),
+        limit: args.limit,
+    };
+    let page = store.list_jobs(&filter).await?;
+    // A full page may have a next one; a short page is the last.
+    let next = (page.len() as i64 >= filter.limit.clamp(1, MAX_PAGE))
+        .then(|| page.last().map(|j| j.id.0))
+        .flatten();
+    // Ages against this machine's clock: a display, not a deadline.
+    let now = Utc::now();
+    let headers = [
+        "ID",
+        "QUEUE",
+        "KIND",
+        "KEY",
+        "STATE",
+        "ATTEMPTS",
+        "AGE",
+        "LAST ERROR",
+    ];
+    let rows: Vec<Vec<String>> = page
+        .iter()
+        .map(|j| {
+            vec![
+                j.id.to_string(),
+                j.queue.clone(),
+                j.kind.clone(),
+                shown_opt(j.key.as_deref(), false),
+                j.state.to_string(),
+                format!("{}/{}", j.attempts, j.max_attempts),
+                since(j.created_at, now),
+                shown_opt(j.last_error.as_deref(), false),
+            ]
+        })
+        .collect();
+    let mut text = if page.is_empty() {
+        "no jobs match\n".to_string()
+    } else {
+        table(&headers, &rows)
+    };
+    if let Some(last) = next {
+        text += &format!("next page: --after {last}\n");
+    }
+    Ok(Printed {
+        text,
+        json: json!({ "jobs": page, "next_after": next }),
+    })
+}
+
+async fn blocked_keys(store: &Store, limit: i64) -> Result<Printed, Failure> {
+    let keys = store.blocked_keys(limit.max(1)).await?;
+    let now = Utc::now();
+    let rows: Vec<Vec<String>> = keys
+        .iter()
+        .map(|k| {
+            vec![
+                k.queue.clone(),
+                shown_opt(Some(&k.key), false),
+                k.head.to_string(),
+                k.head_state.clone(),
+                k.since.map_or("-".into(), |t| since(t, now)),
+                k.waiting.to_string(),
+                shown_opt(k.reason.as_deref(), false),
+            ]
+        })
+        .collect();
+    let text = if keys.is_empty() {
+        "no blocked keys\n".to_string()
+    } else {
+        table(
+            &[
+                "QUEUE", "KEY", "HEAD", "STATE", "SINCE", "WAITING", "REASON",
+            ],
+            &rows,
+        )
+    };
+    Ok(Printed {
+        text,
+        json: json!({ "blocked_keys": keys }),
+    })
+}
+
+async fn migrate(store: &Store) -> Result<Printed, Failure> {
+    store.migrate().await?;
+    let schema = store.schema().name();
+    Ok(Printed {
+        text: format!("schema {schema} is at version {SCHEMA_VERSION}\n"),
+        json: json!({ "schema": schema, "version": SCHEMA_VERSION }),
+    })
+}
+
+async fn migration_script(store: &Store) -> Result<Printed, Failure> {
+    let sql = store.migration_script().await?;
+    Ok(Printed {
+        json: json!({ "schema": store.schema().name(), "sql": sql }),
+        text: sql,
+    })
+}
+
+/// Prune in batches until a pass deletes less than a batch of everything: one
+/// statement never holds a million row locks.
+async fn prune(store: &Store, keep: Duration, batch: i64) -> Result<Printed, Failure> {
+    let batch = batch.max(1);
+    let mut total = PruneReport::default();
+    loop {
+        let pass = store.prune(keep, batch).await?;
+        total.jobs += pass.jobs;
+        total.effects += pass.effects;
+        total.keys += pass.keys;
+        let full = [pass.jobs, pass.effects, pass.keys]
+            .iter()
+            .any(|&n| n as i64 >= batch);
+        if !full {
+            break;
+        }
+    }
+    Ok(Printed {
+        text: format!(
+            "pruned {} jobs that finished more than {} ago, {} expired effect records, {} idle keys\n",
+            total.jobs,
+            humantime::format_duration(keep),
+            total.effects,
+            total.keys
+        ),
+        json: serde_json::to_value(&total).map_err(encode)?,
+    })
+}
+
+pub(super) fn encode(e: serde_json::Error) -> Failure {
+    Failure::Failed(format!("cannot encode JSON: {e}"))
+}
