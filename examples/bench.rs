@@ -124,7 +124,7 @@ async fn main() {
         return;
     }
     START.with(|_| ());
-    let want = |s: &str| a.only.as_ref().map_or(true, |o| o.iter().any(|x| x == s));
+    let want = |s: &str| a.only.as_ref().is_none_or(|o| o.iter().any(|x| x == s));
     let opts = setup::bench_database().await;
     let pool = setup::pool(&opts, a.pool).await;
     let store = setup::fresh_schema(&pool, setup::SCHEMA, a.history).await;

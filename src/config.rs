@@ -558,8 +558,10 @@ mod tests {
 
     #[test]
     fn effect_ledger_shorter_than_the_retry_window_is_refused() {
-        let mut c = Config::default();
-        c.effect_keep = Duration::from_secs(60);
+        let c = Config {
+            effect_keep: Duration::from_secs(60),
+            ..Config::default()
+        };
         assert!(c
             .validate()
             .unwrap_err()

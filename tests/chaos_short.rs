@@ -2,8 +2,9 @@
 //! first the checker's self-test (every rule fires on a synthetic run that breaks it,
 //! and only then), then `examples/chaos` in its `short` profile with two fixed seeds,
 //! one after the other, each requiring zero violations and every fault kind and
-//! scenario hit. The harness starts its own PostgreSQL cluster (PostgreSQL 15 binaries
-//! in /usr/lib/postgresql/15/bin, run as the `postgres` user), so this test needs no
+//! scenario hit. The harness starts its own PostgreSQL cluster (the server binaries from
+//! `$PG_BIN`, `pg_config --bindir`, the newest `/usr/lib/postgresql/*/bin` or PATH; run
+//! as the `postgres` user under root, else as the current user), so this test needs no
 //! server of its own and never touches the one on 5432.
 //!
 //! The seeds are fixed for CI (`CHAOS_SEED` overrides the first, `CHAOS_SEED_2` the

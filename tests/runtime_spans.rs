@@ -32,11 +32,14 @@ impl Visit for Fields {
     }
 }
 
+/// A span's name and its recorded fields.
+type SpanRecord = (String, HashMap<String, String>);
+
 /// What the subscriber saw: spans by name with their fields, and for each handler
 /// message, the names of the spans it was inside.
 #[derive(Default, Clone)]
 struct Seen {
-    spans: Arc<Mutex<Vec<(String, HashMap<String, String>)>>>,
+    spans: Arc<Mutex<Vec<SpanRecord>>>,
     handler_scopes: Arc<Mutex<Vec<Vec<String>>>>,
 }
 
@@ -122,7 +125,7 @@ fn each_attempt_runs_in_a_span_with_the_jobs_identity_and_the_handler_inside_it(
         .await;
         scheduler.shutdown().await.unwrap();
 
-        let spans = seen.spans.lock().unwrap();
+        let spans = seen.spans.lock().unwrap().clone();
         let attempt = spans
             .iter()
             .find(|(n, f)| n == "leasehold.attempt" && f.get("job.id") == Some(&id.0.to_string()))
@@ -153,7 +156,7 @@ fn each_attempt_runs_in_a_span_with_the_jobs_identity_and_the_handler_inside_it(
                 .any(|(n, _)| n.starts_with("leasehold.complete")),
             "the completion has its span"
         );
-        let scopes = seen.handler_scopes.lock().unwrap();
+        let scopes = seen.handler_scopes.lock().unwrap().clone();
         assert_eq!(scopes.len(), 1, "{scopes:?}");
         assert!(
             scopes[0].iter().any(|s| s == "leasehold.attempt"),

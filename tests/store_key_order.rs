@@ -198,8 +198,9 @@ async fn a_batch_claim_never_returns_two_jobs_of_one_key() {
             // overlap in the handler's log.
             let barrier = Arc::new(tokio::sync::Barrier::new(got.len()));
             let mut running = Vec::new();
-            for j in got.iter().cloned() {
-                let (h, store, barrier) = (h.clone(), db.store.clone(), barrier.clone());
+            for j in &got {
+                let (h, store, barrier, j) =
+                    (h.clone(), db.store.clone(), barrier.clone(), j.clone());
                 running.push(tokio::spawn(async move {
                     let pause = Box::pin(async move {
                         barrier.wait().await;

@@ -120,7 +120,7 @@ async fn hostile_queue_kind_and_key_strings_round_trip_unchanged() {
                 .unwrap_or_else(|e| panic!("release_hold with {what}: {e}"));
             let j2 = db
                 .store
-                .claim_key(&w, s, s, Some(&[s.clone()]), LEASE, None)
+                .claim_key(&w, s, s, Some(std::slice::from_ref(s)), LEASE, None)
                 .await
                 .unwrap()
                 .expect(what);

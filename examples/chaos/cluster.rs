@@ -1,28 +1,26 @@
-//! A throwaway PostgreSQL 15 cluster: initdb as `postgres` into a temp dir, a free
-//! loopback port, a private socket directory; restarted on demand; stopped (immediate)
-//! and removed on drop. Never the shared server on 5432.
+//! A throwaway PostgreSQL cluster: initdb into a temp dir, a free loopback port, a
+//! private socket directory; restarted on demand; stopped (immediate) and removed on
+//! drop. Never the shared server on 5432. The server binaries, and the user they run
+//! as (`postgres` under root, else ourselves), come from [`PgServer::find`].
 //!
-//! The postmaster runs in the foreground as our child (uid switched to `postgres`),
-//! with `PR_SET_PDEATHSIG = SIGQUIT`, so it shuts down immediately if the harness dies.
-//! Restarts use `pg_ctl stop -m fast|immediate` on it, then start it again.
+//! The postmaster runs in the foreground as our child, with `PR_SET_PDEATHSIG =
+//! SIGQUIT`, so it shuts down immediately if the harness dies. Restarts use
+//! `pg_ctl stop -m fast|immediate` on it, then start it again.
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::pgbin::PgServer;
 use crate::procs;
-
-pub const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 
 pub struct Cluster {
     pub root: PathBuf,
     pub data: PathBuf,
     pub sock: PathBuf,
     pub port: u16,
-    uid: u32,
-    gid: u32,
+    server: PgServer,
     postmaster: Mutex<Option<Child>>,
     keep: bool,
 }
@@ -42,15 +40,6 @@ fn run(cmd: &mut Command, what: &str) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn postgres_ids() -> Result<(u32, u32), String> {
-    let name = std::ffi::CString::new("postgres").unwrap();
-    let pw = unsafe { libc::getpwnam(name.as_ptr()) };
-    if pw.is_null() {
-        return Err("no `postgres` user on this machine (install postgresql-15)".into());
-    }
-    Ok(unsafe { ((*pw).pw_uid, (*pw).pw_gid) })
-}
-
 pub fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     l.local_addr().unwrap().port()
@@ -64,7 +53,7 @@ fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), String> {
 impl Cluster {
     /// initdb and start. `keep`: leave the directory behind (debugging).
     pub fn create(tag: &str, keep: bool) -> Result<Cluster, String> {
-        let (uid, gid) = postgres_ids()?;
+        let server = PgServer::find()?;
         let root =
             std::env::temp_dir().join(format!("leasehold-chaos-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
@@ -72,22 +61,23 @@ impl Cluster {
         let data = root.join("data");
         let sock = root.join("sock");
         std::fs::create_dir_all(&sock).map_err(|e| format!("mkdir sock: {e}"))?;
-        chown(&root, uid, gid)?;
-        chown(&sock, uid, gid)?;
+        if let Some((uid, gid)) = server.owner() {
+            chown(&root, uid, gid)?;
+            chown(&sock, uid, gid)?;
+        }
         let cluster = Cluster {
             root,
             data,
             sock,
             port: free_port(),
-            uid,
-            gid,
+            server,
             postmaster: Mutex::new(None),
             keep,
         };
         run(
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(format!("{PG_BIN}/initdb"))
+            cluster
+                .server
+                .command("initdb")
                 .arg("-D")
                 .arg(&cluster.data)
                 .args([
@@ -141,20 +131,20 @@ impl Cluster {
             .append(true)
             .open(self.log_path())
             .map_err(|e| format!("open postgres.log: {e}"))?;
-        let mut cmd = Command::new(format!("{PG_BIN}/postgres"));
+        let mut cmd = self.server.command("postgres");
         cmd.arg("-D")
             .arg(&self.data)
             .current_dir(&self.root)
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
-            .stderr(log)
-            .uid(self.uid)
-            .gid(self.gid);
+            .stderr(log);
         let child = procs::spawn(cmd, libc::SIGQUIT).map_err(|e| format!("start postgres: {e}"))?;
         *self.postmaster.lock().unwrap() = Some(child);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let ready = Command::new(format!("{PG_BIN}/pg_isready"))
+            let ready = self
+                .server
+                .command("pg_isready")
                 .args(["-h", "127.0.0.1", "-U", "postgres", "-q", "-p"])
                 .arg(self.port.to_string())
                 .status()
@@ -185,9 +175,8 @@ impl Cluster {
             return Ok(());
         };
         let stopped = run(
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(format!("{PG_BIN}/pg_ctl"))
+            self.server
+                .command("pg_ctl")
                 .arg("-D")
                 .arg(&self.data)
                 .args(["stop", "-m", mode, "-w", "-t", "30"]),
@@ -215,12 +204,10 @@ impl Cluster {
         Ok(t.elapsed())
     }
 
+    /// The server's `--version`, or empty when no server binaries are found (creating
+    /// the cluster then fails with what is missing).
     pub fn version() -> String {
-        Command::new(format!("{PG_BIN}/postgres"))
-            .arg("--version")
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_default()
+        PgServer::find().map(|s| s.version()).unwrap_or_default()
     }
 
     /// Remove the cluster directory (after the postmaster is gone).

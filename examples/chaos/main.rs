@@ -6,8 +6,9 @@
 //!     cargo run --example chaos -- check target/chaos/<seed>
 //!     cargo run --example chaos -- selftest                   # the checker's own tests
 //!
-//! The harness starts its own PostgreSQL 15 cluster (initdb as `postgres` into a temp
-//! dir, a free loopback port), an effect server and one TCP fault proxy per worker, then
+//! The harness starts its own PostgreSQL cluster (initdb into a temp dir, a free loopback
+//! port; the server binaries from `$PG_BIN`, `pg_config --bindir`, the newest
+//! `/usr/lib/postgresql/*/bin` or PATH, run as `postgres` under root), an effect server and one TCP fault proxy per worker, then
 //! runs several worker processes (this binary again, `worker` mode: one real leasehold
 //! `Scheduler` each). A seeded generator enqueues a mixed workload while a seeded
 //! nemesis injects faults: SIGKILL, SIGSTOP past the lease, SIGTERM mid-job,
@@ -17,7 +18,7 @@
 //! every log under `target/chaos/<seed>/`, and runs the checker on them.
 //!
 //! Layout: `harness` (orchestration), `drain` (drain, artifacts), `nemesis` (faults), `workload`,
-//! `worker`, `effects` (effect server), `proxy`, `cluster`, `procs` (child processes,
+//! `worker`, `effects` (effect server), `proxy`, `cluster` (with `pgbin`, the server binaries), `procs` (child processes,
 //! watchdog), `model` (artifact formats), `check` (the checker), `profile`.
 
 mod attempt;
@@ -34,6 +35,7 @@ mod nemesis_host;
 mod nemesis_operator;
 mod nemesis_plan;
 mod operator;
+mod pgbin;
 mod procs;
 mod profile;
 mod proxy;

@@ -42,7 +42,7 @@ pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) -> Vec<Jo
     tokio::time::sleep(Duration::from_millis(1500)).await;
     while Instant::now() < phase_end {
         turn += 1;
-        let (p, tries) = match (turn % 2 == 0).then(|| retry.pop_front()).flatten() {
+        let (p, tries) = match turn.is_multiple_of(2).then(|| retry.pop_front()).flatten() {
             Some(r) => r,
             None => match planned.next() {
                 Some(p) => (p, 0),

@@ -241,7 +241,7 @@ impl Generator {
         Spec {
             cid,
             kind: "charge".into(),
-            key: (i % 2 == 0).then(|| format!("probe-{}", i % 8)),
+            key: i.is_multiple_of(2).then(|| format!("probe-{}", i % 8)),
             payload: to_json(&w),
             max_attempts: 12,
             delay_ms: 0,

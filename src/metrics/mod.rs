@@ -2,7 +2,7 @@
 //! through [`Metrics::snapshot`] (and exposed to Prometheus by `leasehold::prometheus`).
 //!
 //! actix 0.13 exposes no mailbox length, so leasehold counts: every send through a
-//! [`crate::actor::Metered`] address adds one to the actor kind's `sent`, every handled
+//! metered actor address (the crate's internal `actor::Metered`) adds one to the actor kind's `sent`, every handled
 //! message adds one to `handled`; the depth is the difference, and its high-water mark
 //! is kept at send time. A send into a full mailbox is counted as an overflow and still
 //! delivered.

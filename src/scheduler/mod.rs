@@ -167,6 +167,10 @@ impl Scheduler {
     }
 
     /// The store (over the host's pool): admin actions, job lookup, history.
+    #[allow(
+        clippy::misnamed_getters,
+        reason = "users get the store over their own pool; `store` is the scheduler's, on its writer pool"
+    )]
     pub fn store(&self) -> &Store {
         &self.env().host_store
     }
@@ -176,6 +180,7 @@ impl Scheduler {
         &self.env().owner
     }
 
+    /// The configuration this scheduler started with.
     pub fn config(&self) -> &Config {
         &self.env().config
     }

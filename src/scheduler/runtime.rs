@@ -315,11 +315,8 @@ impl Core {
             .load(std::sync::atomic::Ordering::SeqCst);
         // 1. Stop claiming, and wait out a claim statement already in flight.
         env.stop_claiming.cancel();
-        loop {
-            match self.claimer.ask(StopClaiming).await {
-                Ok(true) => tokio::time::sleep(Duration::from_millis(2)).await,
-                _ => break,
-            }
+        while let Ok(true) = self.claimer.ask(StopClaiming).await {
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         // 2. Drain within the grace period.
         let deadline = tokio::time::Instant::now() + env.config.shutdown_grace;

@@ -76,6 +76,11 @@ SELECT id, queue, job_key FROM {s}.jobs WHERE id = ANY($1) AND job_key IS NOT NU
 /// One completion of a batch.
 pub(crate) type Item = (JobId, Generation, Option<serde_json::Value>);
 
+/// What [`Store::complete_keyed`] wrote for one item: its outcome (`None` when its key
+/// was busy and nothing was written), and the key's successor if one was claimed, with
+/// the moment the claiming statement was sent.
+pub(crate) type KeyedOutcome = (Option<CompleteOutcome>, Option<(ClaimedJob, Instant)>);
+
 /// A keyed completion for [`Store::complete_keyed`]: the item, its key, and whether
 /// to claim the key's successor for the completing scheduler.
 pub(crate) struct KeyedItem {
@@ -217,7 +222,7 @@ impl Store {
         batch: &[KeyedItem],
         chain: Option<&Chain<'_>>,
         wait: bool,
-    ) -> Result<Vec<(Option<CompleteOutcome>, Option<(ClaimedJob, Instant)>)>> {
+    ) -> Result<Vec<KeyedOutcome>> {
         if batch.is_empty() {
             return Ok(Vec::new());
         }

@@ -35,7 +35,7 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         c.expiries.iter().any(|x| {
             x.job_id == job
                 && x.reaped_by != super::execution::RACE_REAPER
-                && worker_of.get(x.owner.as_str()).map_or(true, |w| {
+                && worker_of.get(x.owner.as_str()).is_none_or(|w| {
                     !lease_fault_near(
                         c,
                         *w,
@@ -148,9 +148,8 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
         // A fault on its worker from the claim until a lease after its handler ended
         // (a slow handler's ending is written then) explains the loss.
         let until = ran.get(&n).map_or(from, |a| a.end_us.max(from));
-        let faulted = w.map_or(true, |w| {
-            lease_fault_near(c, w, from, until + lease_us + 1_000_000)
-        });
+        let faulted =
+            w.is_none_or(|w| lease_fault_near(c, w, from, until + lease_us + 1_000_000));
         if affected && !faulted {
             let ran_how = match ran.get(&n) {
                 None => "its handler never ran".to_string(),
