@@ -48,6 +48,11 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+#[path = "shared/env.rs"]
+mod env;
+#[path = "shared/log.rs"]
+mod log;
+
 /// Orders above this quantity are refused (after the writes, to show the rollback).
 const MAX_QTY: i32 = 100;
 
@@ -299,18 +304,12 @@ async fn create_orders_table(pool: &PgPool, schema: &str) -> Result<String, Box<
 
 /// How long picking an order takes: `FULFIL_MS` milliseconds (default 50).
 fn picking_time() -> Duration {
-    let ms = std::env::var("FULFIL_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(50);
-    Duration::from_millis(ms)
+    env::millis("FULFIL_MS", 50)
 }
 
 #[actix_web::main]
 async fn main() -> Result<(), Box<dyn Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter("leasehold=warn,actix_web_service=info")
-        .init();
+    log::init("leasehold=warn,actix_web_service=info", std::io::stdout);
     let demo = std::env::args().any(|a| a == "--demo");
     let port: u16 = match std::env::var("PORT") {
         Ok(p) => p.parse()?,

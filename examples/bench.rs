@@ -3,7 +3,7 @@
 //!
 //!     cargo run --release --example bench              # the full run (under 10 minutes)
 //!     cargo run --release --example bench -- --json    # the same, as JSON on stdout
-//!     cargo run --release --example bench -- --quick   # smaller sizes, a smoke run
+//!     cargo run --release --example bench -- --quick   # smaller sizes, a smoke run (targets not judged)
 //!
 //! Other flags: `--runs N` (default 3; every figure is the median of N runs, printed
 //! with the spread), `--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,peer`
@@ -22,6 +22,9 @@
 use std::time::Instant;
 
 use serde_json::json;
+
+#[path = "shared/log.rs"]
+mod log;
 
 /// Progress goes to stderr; the table (or JSON) to stdout.
 macro_rules! say {
@@ -115,10 +118,10 @@ const HELP: &str = "usage: bench [--json] [--quick] [--runs N] [--pool N] [--his
 #[actix::main]
 async fn main() {
     let a = args();
-    tracing_subscriber::fmt()
-        .with_env_filter("leasehold=warn,sqlx=error,graphile_worker=warn")
-        .with_writer(std::io::stderr)
-        .init();
+    log::init(
+        "leasehold=warn,sqlx=error,graphile_worker=warn",
+        std::io::stderr,
+    );
     if let Some(keys) = a.memory_child {
         footprint::memory_child(keys).await;
         return;
@@ -192,6 +195,9 @@ async fn main() {
         run.memory().await;
     }
 
+    if a.quick {
+        run.rows.iter_mut().for_each(|r| r.quick = true);
+    }
     let total = START.with(|s| s.elapsed().as_secs_f64());
     say!("done in {total:.0} s");
     let command = std::env::args().collect::<Vec<_>>().join(" ");

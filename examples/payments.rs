@@ -38,6 +38,8 @@
 
 #[path = "payments/handler.rs"]
 mod handler;
+#[path = "shared/log.rs"]
+mod log;
 #[path = "payments/report.rs"]
 mod report;
 #[path = "payments/run.rs"]
@@ -129,12 +131,11 @@ fn quiet_simulated_crashes() {
 
 #[actix::main]
 async fn main() -> Result<ExitCode, Box<dyn Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "leasehold=error".into()),
-        )
-        .init();
+    log::init(
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| "leasehold=error".into()),
+        std::io::stdout,
+    );
     quiet_simulated_crashes();
     let options = demo_database(connect_options()?).await?;
     print_plan();

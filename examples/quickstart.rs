@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{ConnectOptions, Connection};
 
+#[path = "shared/log.rs"]
+mod log;
+
 #[derive(Serialize, Deserialize)]
 struct Greet {
     name: String,
@@ -100,9 +103,7 @@ async fn database() -> sqlx::PgPool {
 
 #[actix::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter("leasehold=warn")
-        .init();
+    log::init("leasehold=warn", std::io::stdout);
     let pool = database().await;
     let schema = format!("quickstart_{}", std::process::id());
     let mut config = Config {

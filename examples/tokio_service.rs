@@ -7,11 +7,19 @@
 //! The scheduler runs its actors on a thread of its own; its handlers run on this
 //! runtime (`Config::handler_threads` gives them threads of their own instead).
 //! Needs a local PostgreSQL (DATABASE_URL, default postgres://root@127.0.0.1:5432/postgres).
+//! `GREET_MS` sets how long a greeting takes (0 ms), to watch a stop release a job that
+//! is still running; `SCHEMA` names the scheduler's schema and keeps it (by default a
+//! schema of this process's own, dropped at exit).
 
 use std::time::Duration;
 
 use leasehold::{Config, Handler, JobContext, JobError, NewJob, Scheduler};
 use serde::{Deserialize, Serialize};
+
+#[path = "shared/env.rs"]
+mod env;
+#[path = "shared/log.rs"]
+mod log;
 
 #[derive(Serialize, Deserialize)]
 struct Greet {
@@ -32,23 +40,29 @@ impl Handler for Greeter {
             ctx.job_id(),
             ctx.attempt()
         );
+        tokio::time::sleep(greeting_time()).await;
         println!("{line}");
         Ok(line)
     }
 }
 
+/// How long a greeting takes: `GREET_MS` milliseconds (default 0).
+fn greeting_time() -> Duration {
+    env::millis("GREET_MS", 0)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter("leasehold=info")
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    log::init("leasehold=info", std::io::stdout);
     let demo = std::env::args().any(|a| a == "--demo");
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/postgres".into());
     let pool = sqlx::PgPool::connect(&url).await?;
+    let kept_schema = std::env::var("SCHEMA").ok();
     let config = Config {
-        schema: format!("tokio_example_{}", std::process::id()),
+        schema: kept_schema
+            .clone()
+            .unwrap_or_else(|| format!("tokio_example_{}", std::process::id())),
         ..Config::default()
     };
     let scheduler = Scheduler::builder(pool.clone(), config.clone())
@@ -74,9 +88,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "stopped: {} completed, {} released",
         report.metrics.counters.completed, report.cancelled
     );
-    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", config.schema))
-        .execute(&pool)
-        .await?;
+    if kept_schema.is_none() {
+        sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", config.schema))
+            .execute(&pool)
+            .await?;
+    }
     if demo && report.metrics.counters.completed != 3 {
         return Err("expected three greetings".into());
     }

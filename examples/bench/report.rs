@@ -64,6 +64,9 @@ pub struct Row {
     pub ratio: Option<(f64, String)>,
     /// The target, on the ratio when there is one, else on the median.
     pub goal: Option<Goal>,
+    /// Measured in a `--quick` smoke run: its sizes are not the ones the target is set
+    /// for, so the target is shown but not judged either way.
+    pub quick: bool,
 }
 
 impl Row {
@@ -80,6 +83,7 @@ impl Row {
             unit,
             ratio: None,
             goal: None,
+            quick: false,
         }
     }
 
@@ -100,7 +104,11 @@ impl Row {
             .unwrap_or(self.stat.median())
     }
 
+    /// Whether the target is met; `None` without a target or in a quick run.
     pub fn met(&self) -> Option<bool> {
+        if self.quick {
+            return None;
+        }
         self.goal.map(|g| match g {
             Goal::AtLeast(t) => self.judged() >= t,
             Goal::AtMost(t) => self.judged() <= t,
@@ -116,10 +124,10 @@ impl Row {
                     Goal::AtMost(t) => ("≤", t),
                 };
                 let what = if self.ratio.is_some() { "x" } else { self.unit };
-                let mark = if self.met() == Some(true) {
-                    "met"
-                } else {
-                    "MISSED"
+                let mark = match self.met() {
+                    Some(true) => "met",
+                    Some(false) => "MISSED",
+                    None => "not judged (quick)",
                 };
                 format!("{op} {}{what} {mark}", num(t))
             }
