@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use super::sequencer::{RunJob, SequencerHandle};
 use crate::context::JobContext;
+use crate::CancelReason;
 use crate::env::Env;
 use crate::executor::{execute_then, unhold};
 
@@ -104,6 +105,43 @@ pub(crate) fn dispatch(env: &Arc<Env>, ctx: JobContext) {
     }
 }
 
+/// RELEASE the given-back jobs, retrying while the database does not answer. They never
+/// start here again: a release may commit with its reply lost (a cut connection, a
+/// restart), and then the jobs are pending, perhaps already someone else's (the chaos
+/// harness found a released job started when they went back to the ready queue). Until
+/// a release is confirmed they stay tracked, so their leases are renewed and a
+/// renewal that finds a job no longer ours (the release did land) ends the retries for
+/// it; if the database stays away for a lease, they are dropped and their leases expire.
+async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static str) {
+    let give_up = Instant::now() + env.config.lease;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let held: Vec<_> = jobs
+            .iter()
+            .filter(|j| j.cancel_reason() != Some(CancelReason::LeaseLost))
+            .map(|j| (j.job_id(), j.generation()))
+            .collect();
+        if held.is_empty() {
+            return;
+        }
+        match env.store.release_many(&env.owner, &held, reason).await {
+            Ok(ids) => {
+                env.metrics.add(|c| &c.released, ids.len() as u64);
+                return;
+            }
+            Err(e) if Instant::now() + pause < give_up => {
+                tracing::warn!(error = %e, "leasehold could not give waiting jobs back; trying again (they will not start here)");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "leasehold could not release waiting jobs; dropping them here, their leases will expire if no release landed");
+                return;
+            }
+        }
+    }
+}
+
 /// Give back waiting jobs: all of them (`older_than` None: shutdown), or those that
 /// waited longer than `older_than`. Released, not failed: the attempt is not counted.
 /// Returns how many.
@@ -137,19 +175,7 @@ pub(crate) fn release_ready(
     env.metrics.ready.fetch_sub(n as u64, SeqCst);
     let env = env.clone();
     actix::spawn(async move {
-        let held: Vec<_> = jobs.iter().map(|j| (j.job_id(), j.generation())).collect();
-        match env.store.release_many(&env.owner, &held, reason).await {
-            Ok(ids) => env.metrics.add(|c| &c.released, ids.len() as u64),
-            Err(e) => {
-                // The release may have committed with its reply lost (a cut connection, a
-                // restart): then the jobs are pending, perhaps already someone else's, and
-                // must never start here. So they are dropped either way; if the release
-                // did not commit, their leases, no longer renewed, expire and the reaper
-                // puts them back. (Keeping them to try again ran a released job: found by
-                // the chaos harness, `start_without_lease`.)
-                tracing::warn!(error = %e, "leasehold could not release waiting jobs; dropping them here, their leases will expire if the release did not land")
-            }
-        }
+        release_retrying(&env, &jobs, reason).await;
         for ctx in &jobs {
             env.slots.release_bytes(ctx.job().payload_bytes);
             env.untrack(ctx);
