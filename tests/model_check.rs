@@ -27,11 +27,11 @@
 mod model;
 
 use model::config::{EffectStore, JobSpec};
-use model::state::Budget;
 use model::properties::{
     CAN_END, CURRENT_NOT_FENCED, EFFECT_ONCE, HEALTHY_KEEPS_LEASES, NO_OVERLAP, NO_STRANDED_KEY,
     START_ORDER, START_UNDER_LEASE,
 };
+use model::state::Budget;
 use model::{counterexamples_of, explore, Config, Explored};
 
 /// Unique states the bounded check must reach at least (it reached 680,734 when this

@@ -73,15 +73,15 @@ impl Action {
                 p(x),
                 "claimer: dispatch.rs start_ready; claim.rs CLAIM; dispatch/wait_for_slot",
             ),
-            GiveBack(x, false) => (p(x), "give-back: dispatch.rs release_ready; fail.rs RELEASE"),
+            GiveBack(x, false) => (
+                p(x),
+                "give-back: dispatch.rs release_ready; fail.rs RELEASE",
+            ),
             GiveBack(x, true) => (
                 p(x),
                 "give-back: fail.rs RELEASE commits, its reply is lost",
             ),
-            Shutdown(x) => (
-                p(x),
-                "StopClaiming: release_ready(None); fail.rs RELEASE",
-            ),
+            Shutdown(x) => (p(x), "StopClaiming: release_ready(None); fail.rs RELEASE"),
             Start(x, .., false) => (p(x), "attempt_once: lease check, handler, once() acts"),
             Start(x, .., true) => (p(x), "attempt_once: lease check, handler errs"),
             Deliver(_) => ("store".into(), "effect store takes the request"),

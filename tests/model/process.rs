@@ -468,7 +468,9 @@ impl State {
     pub fn tick(&mut self, cfg: &Config) {
         for j in 0..self.rows.len() as JobId {
             let r = self.rows[j as usize];
-            if r.state == super::state::JobState::Running && r.lease_left < 0 && !self.row_locked(cfg, j)
+            if r.state == super::state::JobState::Running
+                && r.lease_left < 0
+                && !self.row_locked(cfg, j)
             {
                 self.reap(cfg, j);
             }

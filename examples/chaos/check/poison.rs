@@ -148,8 +148,7 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
         // A fault on its worker from the claim until a lease after its handler ended
         // (a slow handler's ending is written then) explains the loss.
         let until = ran.get(&n).map_or(from, |a| a.end_us.max(from));
-        let faulted =
-            w.is_none_or(|w| lease_fault_near(c, w, from, until + lease_us + 1_000_000));
+        let faulted = w.is_none_or(|w| lease_fault_near(c, w, from, until + lease_us + 1_000_000));
         if affected && !faulted {
             let ran_how = match ran.get(&n) {
                 None => "its handler never ran".to_string(),
