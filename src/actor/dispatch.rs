@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 
 use super::sequencer::{RunJob, SequencerHandle};
 use crate::context::JobContext;
-use crate::CancelReason;
 use crate::env::Env;
 use crate::executor::{execute_then, unhold};
+use crate::CancelReason;
 
 /// Claimed jobs waiting for a slot, oldest first.
 #[derive(Default)]
