@@ -11,26 +11,48 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::store::{Backoff, StoreOptions};
 
+/// Default [`Config::schema`]: the PostgreSQL schema `leasehold`.
 pub const DEFAULT_SCHEMA: &str = "leasehold";
+/// The queue a job goes to when it names none and is enqueued through a [`crate::Store`];
+/// also the one queue of a default [`Config::queues`].
 pub const DEFAULT_QUEUE: &str = "default";
+/// Default [`Config::concurrency`]: 16 handlers at once.
 pub const DEFAULT_CONCURRENCY: usize = 16;
+/// Default [`Config::lease`]: 30 s.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Default [`Config::renew_interval`]: 10 s, a third of the default lease.
 pub const DEFAULT_RENEW_INTERVAL: Duration = Duration::from_secs(10);
+/// Default [`Config::poll_interval_min`]: 50 ms.
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(50);
+/// Default [`Config::poll_interval_max`]: 2 s.
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_secs(2);
+/// Default [`Config::claim_batch_max`]: 100 jobs per claim statement.
 pub const DEFAULT_CLAIM_BATCH_MAX: usize = 100;
+/// Default [`Config::claim_ahead`]: 32 jobs claimed beyond the free slots.
 pub const DEFAULT_CLAIM_AHEAD: usize = 32;
+/// Default [`Config::connections`]: 3 connections in the scheduler's own pool.
 pub const DEFAULT_CONNECTIONS: u32 = 3;
+/// Default [`Config::inflight_byte_budget`]: 64 MiB of payloads held at once.
 pub const DEFAULT_INFLIGHT_BYTES: usize = 64 * 1024 * 1024;
+/// Default [`Config::max_run_time`]: 30 min.
 pub const DEFAULT_MAX_RUN_TIME: Duration = Duration::from_secs(30 * 60);
+/// Default [`Config::reaper_interval`]: 5 s.
 pub const DEFAULT_REAPER_INTERVAL: Duration = Duration::from_secs(5);
+/// Default [`Config::reaper_batch`]: 1000 expired leases per statement.
 pub const DEFAULT_REAPER_BATCH: i64 = 1000;
+/// Default [`Config::shutdown_grace`]: 10 s.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Default [`Config::effect_keep`]: 30 days.
 pub const DEFAULT_EFFECT_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
+/// Default [`Config::sequencer_idle`]: 5 s.
 pub const DEFAULT_SEQUENCER_IDLE: Duration = Duration::from_secs(5);
+/// Default [`Config::mailbox_capacity`]: 4096 messages per actor.
 pub const DEFAULT_MAILBOX_CAPACITY: usize = 4096;
+/// Default [`Config::completion_batch`]: 128 completions per statement.
 pub const DEFAULT_COMPLETION_BATCH: usize = 128;
+/// Default [`Config::completion_flush`]: 2 ms.
 pub const DEFAULT_COMPLETION_FLUSH: Duration = Duration::from_millis(2);
+/// Default [`Config::retention`]: done and cancelled jobs are kept 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The longest duration any field accepts (100 years): deadlines are computed on the
 /// monotonic clock and as PostgreSQL intervals, and both overflow far beyond it.
@@ -64,13 +86,29 @@ impl Default for RetryPolicy {
 /// documented, durations are humantime text (`"30s"`, `"1h 30m"`), and an unknown key is
 /// an error that names it. [`Config::set`] sets one field (dotted path) from text.
 ///
+/// A service typically reads a file, lets the environment override it, and validates:
+///
 /// ```
-/// let config: leasehold::Config = serde_json::from_str(
-///     r#"{ "queues": ["payments"], "concurrency": 8, "lease": "1m",
-///          "retry": { "max_attempts": 5, "backoff": { "cap": "5m" } } }"#,
-/// ).unwrap();
-/// assert_eq!(config.lease, std::time::Duration::from_secs(60));
-/// config.validate().unwrap();
+/// use std::time::Duration;
+///
+/// // Read from a file in practice (`std::fs::read_to_string`); any serde format works.
+/// let text = r#"{ "queues": ["payments"], "concurrency": 8, "lease": "1m",
+///                 "retry": { "max_attempts": 5, "backoff": { "cap": "5m" } } }"#;
+/// let mut config: leasehold::Config = serde_json::from_str(text)
+///     .map_err(|e| format!("jobs config: {e}"))?;
+/// assert_eq!(config.lease, Duration::from_secs(60));
+/// assert_eq!(config.retry.backoff.cap, Duration::from_secs(300));
+/// assert_eq!(config.shutdown_grace, Duration::from_secs(10)); // not in the file: default
+///
+/// // Deployment overrides such as MYAPP_JOBS_CONCURRENCY=32, if any are set. Use a
+/// // prefix of your own: every variable under it must name a field.
+/// config.set_from_env("MYAPP_JOBS")?;
+/// config.validate()?;
+///
+/// // A misspelt key is refused by name, not ignored.
+/// let err = serde_json::from_str::<leasehold::Config>(r#"{ "concurency": 8 }"#).unwrap_err();
+/// assert!(err.to_string().contains("concurency"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -364,6 +402,29 @@ impl Config {
     /// `"store.max_payload_bytes"`); durations are humantime text ("30s", "1h 30m"),
     /// lists comma-separated, `retention` also takes `"off"`. Every field can be set; an
     /// unknown one is refused by name.
+    ///
+    /// The value is only parsed here; call [`Config::validate`] (or start the
+    /// scheduler, which does) to check it against the other fields.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let mut config = leasehold::Config::default();
+    /// config.set("lease", "1m 30s")?;
+    /// config.set("retry.max_attempts", "5")?;
+    /// config.set("queues", "payments, emails")?;
+    /// config.set("retention", "off")?;
+    /// assert_eq!(config.lease, Duration::from_secs(90));
+    /// assert_eq!(config.retry.max_attempts, 5);
+    /// assert_eq!(config.queues, ["payments", "emails"]);
+    /// assert_eq!(config.retention, None);
+    ///
+    /// // A misspelt field or a value of the wrong kind is refused, naming the field.
+    /// let err = config.set("leese", "30s").unwrap_err();
+    /// assert!(err.to_string().contains("leese"));
+    /// config.validate()?;
+    /// # Ok::<(), leasehold::Error>(())
+    /// ```
     pub fn set(&mut self, field: &str, value: &str) -> Result<()> {
         let mut tree = serde_json::to_value(&*self).expect("a config serializes");
         let pointer = format!("/{}", field.trim().replace('.', "/"));
@@ -379,6 +440,33 @@ impl Config {
     /// Read every `<prefix>_<FIELD>` environment variable (e.g. `LEASEHOLD_LEASE=45s`,
     /// `LEASEHOLD_RETRY__MAX_ATTEMPTS=5`: a double underscore for a dot) into this
     /// config with [`Config::set`]. Returns how many were set.
+    ///
+    /// Every variable under the prefix must name a field: an unknown one is an error
+    /// naming it, so a typo in a deployment fails at start instead of being ignored.
+    /// Variables are read in no particular order and the first error stops the reading,
+    /// so after an error some fields may already be set; discard the config then.
+    ///
+    /// # Panics
+    ///
+    /// If any environment variable, under the prefix or not, has a name or value that
+    /// is not valid Unicode (it reads them with [`std::env::vars`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// // As a deployment would set them.
+    /// std::env::set_var("MYAPP_JOBS_LEASE", "45s");
+    /// std::env::set_var("MYAPP_JOBS_RETRY__MAX_ATTEMPTS", "5");
+    /// std::env::set_var("MYAPP_JOBS_QUEUES", "payments,emails");
+    ///
+    /// let mut config = leasehold::Config::default();
+    /// let read = config.set_from_env("MYAPP_JOBS")?;
+    /// assert_eq!(read, 3);
+    /// assert_eq!(config.lease, Duration::from_secs(45));
+    /// assert_eq!(config.retry.max_attempts, 5);
+    /// config.validate()?;
+    /// # Ok::<(), leasehold::Error>(())
+    /// ```
     pub fn set_from_env(&mut self, prefix: &str) -> Result<usize> {
         let lead = format!("{prefix}_");
         let mut n = 0;
@@ -540,6 +628,59 @@ mod tests {
         assert!(err.contains("leese"), "{err}");
         let err = c.set("concurrency", "many").unwrap_err().to_string();
         assert!(err.contains("concurrency"), "{err}");
+    }
+
+    /// Environment variables are process-wide and tests run in parallel: this prefix is
+    /// used by no other test.
+    const SFE: &str = "LEASEHOLD_TEST_SFE";
+
+    fn set_sfe(vars: &[(&str, &str)]) {
+        let lead = format!("{SFE}_");
+        for (name, _) in std::env::vars() {
+            if name.starts_with(&lead) {
+                std::env::remove_var(name);
+            }
+        }
+        for (name, value) in vars {
+            std::env::set_var(format!("{lead}{name}"), value);
+        }
+    }
+
+    #[test]
+    fn set_from_env_sets_the_fields_under_its_prefix_and_refuses_unknown_or_bad_ones_by_name() {
+        set_sfe(&[
+            ("LEASE", "45s"),
+            ("RETRY__MAX_ATTEMPTS", "5"),
+            ("RETRY__BACKOFF__CAP", "2m"),
+            ("QUEUES", "a, b"),
+            ("LISTEN", "false"),
+        ]);
+        // Starts like the prefix but is not under it (no underscore after it).
+        std::env::set_var(format!("{SFE}X_LEASE"), "1s");
+        let mut c = Config::default();
+        let read = c.set_from_env(SFE);
+        std::env::remove_var(format!("{SFE}X_LEASE"));
+        assert_eq!(read.unwrap(), 5);
+        assert_eq!(c.lease, Duration::from_secs(45));
+        assert_eq!(c.retry.max_attempts, 5);
+        assert_eq!(c.retry.backoff.cap, Duration::from_secs(120));
+        assert_eq!(c.queues, vec!["a".to_string(), "b".to_string()]);
+        assert!(!c.listen);
+        assert_eq!(
+            c.concurrency, DEFAULT_CONCURRENCY,
+            "a field not in the environment"
+        );
+
+        set_sfe(&[("LEASE", "45s"), ("LEESE", "30s")]);
+        let err = Config::default().set_from_env(SFE).unwrap_err().to_string();
+        assert!(err.contains("leese"), "{err}");
+
+        set_sfe(&[("RETRY__BACKOFF__BASE", "soon")]);
+        let err = Config::default().set_from_env(SFE).unwrap_err().to_string();
+        assert!(err.contains("retry.backoff.base"), "{err}");
+
+        set_sfe(&[]);
+        assert_eq!(Config::default().set_from_env(SFE).unwrap(), 0);
     }
 
     #[test]

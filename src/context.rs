@@ -46,10 +46,13 @@ pub enum CancelReason {
 pub struct EffectKey(String);
 
 impl EffectKey {
+    /// The key of `job`'s effect `step`: the same for every attempt of the job, so
+    /// never put an attempt number or generation in `step`.
     pub fn new(job: JobId, step: &str) -> Self {
         EffectKey(format!("{job}/{step}"))
     }
 
+    /// The key as text, to send to an effect store as its idempotency key.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -152,15 +155,19 @@ impl JobContext {
         self.inner.ending.load(SeqCst) || self.completed_in_tx()
     }
 
+    /// The job's id.
     pub fn job_id(&self) -> JobId {
         self.inner.job.id
     }
+    /// The queue the job was claimed from.
     pub fn queue(&self) -> &str {
         &self.inner.job.queue
     }
+    /// The job's kind (the handler's [`Handler::KIND`](crate::Handler::KIND)).
     pub fn kind(&self) -> &str {
         &self.inner.job.kind
     }
+    /// The job's ordering key; `None` for an unkeyed job.
     pub fn key(&self) -> Option<&str> {
         self.inner.job.key.as_deref()
     }
@@ -168,6 +175,8 @@ impl JobContext {
     pub fn attempt(&self) -> i32 {
         self.inner.job.attempt
     }
+    /// Attempts the job gets: when [`JobContext::attempt`] equals it, a retryable error
+    /// makes the job dead all the same.
     pub fn max_attempts(&self) -> i32 {
         self.inner.job.max_attempts
     }
@@ -187,20 +196,25 @@ impl JobContext {
     pub fn fencing_token(&self) -> u64 {
         self.inner.job.fencing_token()
     }
+    /// This attempt's fence, for calling the [`Store`]'s fenced writes directly.
     pub fn fence(&self) -> Fence {
         self.inner.job.fence()
     }
+    /// Everything the claim returned about the job (payload as JSON, timestamps, ...).
     pub fn job(&self) -> &ClaimedJob {
         &self.inner.job
     }
 
-    /// Resolves when the attempt should stop (lost lease, shutdown, timeout).
+    /// Resolves when the attempt should stop (lost lease, shutdown, timeout, an
+    /// operator's cancel); [`JobContext::cancel_reason`] says which.
     pub async fn cancelled(&self) {
         self.inner.cancel.cancelled().await
     }
+    /// True once the attempt should stop; check it between steps of a long handler.
     pub fn is_cancelled(&self) -> bool {
         self.inner.cancel.is_cancelled()
     }
+    /// Why the attempt was asked to stop; `None` while it was not.
     pub fn cancel_reason(&self) -> Option<CancelReason> {
         *self.inner.reason.lock().unwrap()
     }
@@ -231,6 +245,56 @@ impl JobContext {
     /// The job is done when your transaction commits, and its key's next job may start
     /// from that moment (on any process): do no more work for this job after the commit.
     /// A keyed job's key row stays locked until then, so keep the transaction short.
+    ///
+    /// `result` is stored as the job's result; the handler's own `Ok` output is then
+    /// not stored. An error (the database failed the write) is retryable: roll back and
+    /// return it.
+    ///
+    /// ```no_run
+    /// use leasehold::{CompleteOutcome, Handler, JobContext, JobError};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Fulfil {
+    ///     order_id: i64,
+    /// }
+    ///
+    /// /// Marks the order fulfilled and completes the job in the same transaction.
+    /// struct FulfilOrder {
+    ///     pool: sqlx::PgPool,
+    /// }
+    ///
+    /// impl Handler for FulfilOrder {
+    ///     type Payload = Fulfil;
+    ///     type Output = ();
+    ///     const KIND: &'static str = "fulfil_order";
+    ///
+    ///     async fn run(&self, ctx: JobContext, f: Fulfil) -> Result<(), JobError> {
+    ///         let mut tx = self.pool.begin().await?;
+    ///         sqlx::query("UPDATE orders SET status = 'fulfilled' WHERE id = $1")
+    ///             .bind(f.order_id)
+    ///             .execute(&mut *tx)
+    ///             .await?;
+    ///         let result = serde_json::json!({ "order_id": f.order_id });
+    ///         match ctx.complete_in(&mut tx, Some(result)).await? {
+    ///             CompleteOutcome::Completed => {
+    ///                 tx.commit().await?; // the order and the job's end, or neither
+    ///                 Ok(())
+    ///             }
+    ///             CompleteOutcome::Stale => {
+    ///                 // Another attempt owns the job now and will fulfil the order.
+    ///                 tx.rollback().await?;
+    ///                 Err(JobError::retry("lost the lease before fulfilling"))
+    ///             }
+    ///             CompleteOutcome::AlreadyCompleted { .. } => {
+    ///                 // This attempt's completion committed before: nothing to add.
+    ///                 tx.rollback().await?;
+    ///                 Ok(())
+    ///             }
+    ///         }
+    ///     }
+    /// }
+    /// ```
     pub async fn complete_in(
         &self,
         conn: &mut PgConnection,
@@ -253,7 +317,63 @@ impl JobContext {
     /// `request` is what the effect is asked to do; its SHA-256 is bound to the key, so
     /// the same key with another request is refused (never replayed as if it matched).
     /// `act` receives the effect key to pass to the external store as its idempotency
-    /// key, and the generation is available as the fencing token.
+    /// key; [`JobContext::fencing_token`] (or [`JobContext::generation`]) is the fencing
+    /// token. `act` runs only while the lease is live, and its `Ok` outcome is recorded
+    /// (fenced) before `once` returns it. If the lease was lost meanwhile, the result
+    /// is a retryable error and the next attempt finds the effect by its key.
+    ///
+    /// Errors: `act`'s own error (nothing recorded, so a retry acts again, with the
+    /// same key); a request whose fingerprint differs from the recorded one
+    /// ([`crate::Error::FingerprintMismatch`], permanent); a ledger that cannot be read
+    /// or written (retryable).
+    ///
+    /// ```no_run
+    /// use leasehold::{Handler, JobContext, JobError};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Charge {
+    ///     account: String,
+    ///     cents: i64,
+    /// }
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Receipt {
+    ///     charge_id: String,
+    /// }
+    ///
+    /// struct ChargeCard;
+    ///
+    /// impl Handler for ChargeCard {
+    ///     type Payload = Charge;
+    ///     type Output = Receipt;
+    ///     const KIND: &'static str = "charge_card";
+    ///
+    ///     async fn run(&self, ctx: JobContext, charge: Charge) -> Result<Receipt, JobError> {
+    ///         let token = ctx.fencing_token();
+    ///         let request = &charge;
+    ///         // A later attempt (after a crash, a stall, a lost reply) gets the recorded
+    ///         // receipt back instead of charging again.
+    ///         ctx.once("charge", request, |key| async move {
+    ///             // `key` is "<job id>/charge" on every attempt: the gateway's
+    ///             // idempotency key, so it cannot apply the charge twice either.
+    ///             gateway_charge(key.as_str(), token, request).await
+    ///         })
+    ///         .await
+    ///     }
+    /// }
+    ///
+    /// // Your payment gateway's client.
+    /// async fn gateway_charge(
+    ///     idempotency_key: &str,
+    ///     fencing_token: u64,
+    ///     charge: &Charge,
+    /// ) -> Result<Receipt, JobError> {
+    ///     // Send both; a refusal of a stale token is a retryable error.
+    /// #   let _ = (fencing_token, &charge.account, charge.cents);
+    /// #   Ok(Receipt { charge_id: format!("ch_{idempotency_key}") })
+    /// }
+    /// ```
     pub async fn once<Req, Out, F, Fut>(
         &self,
         step: &str,
@@ -362,7 +482,9 @@ impl JobContext {
     }
 }
 
-/// SHA-256 of the request's JSON, hex.
+/// SHA-256 of the request's JSON, hex: what [`JobContext::once`] binds to an effect
+/// key. The same request must serialize to the same bytes on every attempt, so avoid a
+/// `HashMap` in it (its order varies between processes); a `BTreeMap` is stable.
 pub fn fingerprint<Req: Serialize>(request: &Req) -> Result<String, JobError> {
     let bytes = serde_json::to_vec(request)
         .map_err(|e| JobError::permanent(format!("cannot encode effect request: {e}")))?;

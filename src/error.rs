@@ -11,58 +11,98 @@ use crate::job::{JobId, JobState};
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The database refused or failed a statement (includes a dropped connection).
+    /// The database refused or failed a statement (includes a dropped connection). See
+    /// [`Error::is_transient`] for whether trying again may help.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
 
     /// The serialized payload is larger than the configured cap; nothing was written.
+    /// Store large data elsewhere and enqueue a reference to it, or raise the cap.
     #[error("payload of {size} bytes exceeds the limit of {limit} bytes; nothing was enqueued")]
-    PayloadTooLarge { size: usize, limit: usize },
+    PayloadTooLarge {
+        /// Bytes of the payload's JSON encoding.
+        size: usize,
+        /// The cap: [`StoreOptions::max_payload_bytes`](crate::StoreOptions::max_payload_bytes).
+        limit: usize,
+    },
 
     /// The payload could not be turned into JSON (or contains a NUL, which PostgreSQL's
     /// jsonb cannot store); nothing was written.
     #[error("payload cannot be stored: {0}; nothing was enqueued")]
     InvalidPayload(String),
 
-    /// A queue, kind or key that PostgreSQL cannot store (empty, or containing NUL).
+    /// A value of the job that cannot be enqueued (a queue, kind or key that is empty or
+    /// contains NUL, `max_attempts` below 1, a run-at time or delay out of range, a
+    /// queue the scheduler does not serve); nothing was written.
     #[error("invalid {field}: {reason}")]
-    InvalidInput { field: &'static str, reason: String },
+    InvalidInput {
+        /// The field refused: `queue`, `kind`, `key`, `max_attempts`, `run_at`, ...
+        field: &'static str,
+        /// Why, in words.
+        reason: String,
+    },
 
     /// The schema name is not a plain identifier.
     #[error("invalid schema name {0:?}: use 1-63 characters of a-z, 0-9 and _, not starting with a digit")]
     InvalidSchema(String),
 
-    /// A job was enqueued through a scheduler that has no handler for its kind.
+    /// A job was enqueued through a scheduler that has no handler for its kind (a typo,
+    /// or a kind other processes run: enqueue those through [`crate::Store::enqueue`]).
     #[error("unknown job kind {0:?}: no handler is registered for it")]
     UnknownKind(String),
 
-    /// The configuration was refused at start; `field` names the culprit.
+    /// The configuration was refused (by [`Config::validate`](crate::Config::validate),
+    /// [`Config::set`](crate::Config::set) or at start); fix the field and start again.
     #[error("invalid config: {field}: {reason}")]
-    Config { field: &'static str, reason: String },
+    Config {
+        /// The field refused, dotted for nested ones (`retry.backoff`); `config` when
+        /// [`Config::set`](crate::Config::set) refused a name or value (the reason
+        /// names the field then); `handlers`, `handler_threads` or `scheduler` when a
+        /// start failed.
+        field: &'static str,
+        /// Why, in words.
+        reason: String,
+    },
 
     /// An admin action named a job that does not exist.
     #[error("job {0} does not exist")]
     JobNotFound(JobId),
 
-    /// An admin action that the job's current state does not allow.
+    /// An admin action that the job's current state does not allow (hold a job that is
+    /// not pending, retry one that is not dead, ...); nothing was changed.
     #[error("job {id} is {state}; cannot {action}")]
     InvalidTransition {
+        /// The job.
         id: JobId,
+        /// Its state when the action was refused.
         state: JobState,
+        /// The action refused: `hold`, `release a hold`, `cancel` or `retry`.
         action: &'static str,
     },
 
-    /// A migration failed; the schema is left at the previous version.
+    /// A migration failed; the schema is left as it was before the call (the missing
+    /// versions are applied in one transaction).
     #[error("migration {version} failed: {source}")]
-    Migration { version: i32, source: sqlx::Error },
+    Migration {
+        /// The schema version whose migration failed.
+        version: i32,
+        /// The database's error.
+        source: sqlx::Error,
+    },
 
-    /// An effect key was reused with a different request; nothing was done.
+    /// An effect key was reused with a different request; nothing was done. A handler
+    /// sees it as a permanent [`JobError`](crate::JobError): its step name or request is
+    /// not stable across attempts, a bug no retry can fix.
     #[error(
         "effect key {key:?} was recorded for a different request; refusing to replay or repeat it"
     )]
-    FingerprintMismatch { key: String },
+    FingerprintMismatch {
+        /// The effect key.
+        key: String,
+    },
 
-    /// The scheduler has stopped, or is stopping, and takes no more work.
+    /// The scheduler has stopped, or is stopping, and takes no more work. A job to
+    /// enqueue now can still go in through [`crate::Store::enqueue`].
     #[error("the scheduler is shutting down")]
     ShuttingDown,
 
@@ -71,11 +111,21 @@ pub enum Error {
     /// deadlock), so the write is worth trying again; otherwise the database refused
     /// the statement itself.
     #[error("the batched write failed: {reason}")]
-    Batch { reason: String, transient: bool },
+    Batch {
+        /// The database's error, as text (shared by every write of the batch).
+        reason: String,
+        /// True when the cause may pass and the write is worth trying again.
+        transient: bool,
+    },
 
     /// A stored value could not be decoded (a corrupted row, or a bug).
     #[error("cannot decode {what}: {reason}")]
-    Decode { what: &'static str, reason: String },
+    Decode {
+        /// What could not be decoded (`job state`, say).
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// `Result` with leasehold's [`Error`].

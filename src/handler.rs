@@ -18,21 +18,51 @@ use crate::context::JobContext;
 
 /// Runs jobs of one kind.
 ///
-/// ```ignore
+/// ```
+/// use leasehold::{Handler, JobContext, JobError};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct Email {
+///     to: String,
+///     subject: String,
+/// }
+///
 /// struct SendEmail;
+///
 /// impl Handler for SendEmail {
 ///     type Payload = Email;
 ///     type Output = ();
 ///     const KIND: &'static str = "send_email";
-///     async fn run(&self, ctx: JobContext, email: Email) -> Result<(), JobError> { ... }
+///
+///     async fn run(&self, ctx: JobContext, email: Email) -> Result<(), JobError> {
+///         if email.to.is_empty() {
+///             return Err(JobError::permanent("no recipient")); // dead at once
+///         }
+///         ctx.once("send", &email, |key| async move {
+///             let _ = key; // pass it to the mail service as its idempotency key
+///             Ok(())
+///         })
+///         .await
+///     }
 /// }
 /// ```
 pub trait Handler: Send + Sync + 'static {
+    /// The job's arguments: serialized at enqueue, decoded from the stored JSON before
+    /// each attempt. One that does not decode makes the job dead at once, with the
+    /// reason. Keep it compatible with jobs already queued when you change it.
     type Payload: DeserializeOwned + Serialize + Send + 'static;
+    /// What a successful attempt returns; stored as the job's result (JSON, at most
+    /// [`StoreOptions::max_result_bytes`](crate::StoreOptions::max_result_bytes)).
     type Output: Serialize + Send + 'static;
     /// The kind name stored with each job. Changing it orphans queued jobs.
     const KIND: &'static str;
 
+    /// Run one attempt. `Ok` completes the job with the output as its result; an
+    /// error fails the attempt (retried with backoff, or dead when permanent or the
+    /// last). The same job may run again after a crash or a lost lease: put each
+    /// external effect under [`JobContext::once`], and stop when
+    /// [`JobContext::cancelled`] resolves.
     fn run(
         &self,
         ctx: JobContext,
@@ -64,10 +94,12 @@ impl JobError {
         }
     }
 
+    /// The reason, as stored in the job's `last_error` and history.
     pub fn message(&self) -> &str {
         &self.message
     }
 
+    /// True when no retry can fix it: the job is dead at once.
     pub fn is_permanent(&self) -> bool {
         self.permanent
     }

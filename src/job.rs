@@ -60,6 +60,7 @@ impl OwnerId {
         OwnerId(name.into().into())
     }
 
+    /// The id as text, as stored in the job's `owner` column and history.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -88,16 +89,28 @@ impl fmt::Display for OwnerId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
+    /// Waiting for a claim: eligible from its `available_at` (run-at, delay or retry
+    /// backoff).
     Pending,
+    /// A keyed job behind an open predecessor of its key: not claimable; promoted to
+    /// pending when that one ends.
     Waiting,
+    /// Claimed under a lease by one owner and generation; its handler may be running.
     Running,
+    /// Completed: the handler's result is stored. Terminal.
     Done,
+    /// Failed for good (attempts spent, or a permanent error), with its last error: the
+    /// dead-letter queue. An operator retries or cancels it.
     Dead,
+    /// Put aside by an operator: not claimed until the hold is released. A held head
+    /// blocks its key.
     Held,
+    /// Cancelled by an operator. Terminal.
     Cancelled,
 }
 
 impl JobState {
+    /// Every state, in the order of the life cycle (for listings and per-state gauges).
     pub const ALL: [JobState; 7] = [
         JobState::Pending,
         JobState::Waiting,
@@ -108,6 +121,7 @@ impl JobState {
         JobState::Cancelled,
     ];
 
+    /// The state as stored in the database and shown to operators (`"pending"`, ...).
     pub fn as_str(self) -> &'static str {
         match self {
             JobState::Pending => "pending",
@@ -120,6 +134,8 @@ impl JobState {
         }
     }
 
+    /// The state named by `s` (as [`JobState::as_str`] writes it); `None` for any other
+    /// text.
     pub fn parse(s: &str) -> Option<Self> {
         JobState::ALL.into_iter().find(|st| st.as_str() == s)
     }
@@ -157,8 +173,13 @@ pub struct NewJob {
     /// [`Scheduler`]: crate::Scheduler
     /// [`Store`]: crate::Store
     pub queue: Option<String>,
+    /// The handler's [`Handler::KIND`](crate::Handler::KIND): only a scheduler that
+    /// registered it claims the job.
     pub kind: String,
+    /// Ordering key (an account, say): jobs with the same key in one queue run one at a
+    /// time, in enqueue (commit) order. `None`: no ordering.
     pub key: Option<String>,
+    /// Lower runs first; claims are ordered by `(priority, available_at, id)`. Default 0.
     pub priority: i16,
     /// Absolute run-at time (database clock is used when `None`).
     pub run_at: Option<DateTime<Utc>>,
@@ -166,7 +187,10 @@ pub struct NewJob {
     pub delay: Option<std::time::Duration>,
     /// `None`: the store's default.
     pub max_attempts: Option<i32>,
+    /// The job's arguments, decoded by the handler into its `Payload`. Its JSON may
+    /// take at most [`StoreOptions::max_payload_bytes`](crate::StoreOptions::max_payload_bytes).
     pub payload: serde_json::Value,
+    /// What this job does to its key if it dies. Default [`DeadKeyPolicy::Block`].
     pub dead_key_policy: DeadKeyPolicy,
 }
 
@@ -194,6 +218,7 @@ impl NewJob {
         }
     }
 
+    /// Send the job to `queue` instead of the enqueuing path's default.
     pub fn with_queue(mut self, queue: impl Into<String>) -> Self {
         self.queue = Some(queue.into());
         self
@@ -215,18 +240,23 @@ impl NewJob {
         self.priority = priority;
         self
     }
+    /// Not claimable before `at` (compared with the database clock).
     pub fn with_run_at(mut self, at: DateTime<Utc>) -> Self {
         self.run_at = Some(at);
         self
     }
+    /// Not claimable before the database's `now()` at enqueue plus `delay` (at most
+    /// [`MAX_DELAY`](crate::store::MAX_DELAY)); ignored when a run-at time is set.
     pub fn with_delay(mut self, delay: std::time::Duration) -> Self {
         self.delay = Some(delay);
         self
     }
+    /// Attempts before the job is dead (at least 1), instead of the store's default.
     pub fn with_max_attempts(mut self, n: i32) -> Self {
         self.max_attempts = Some(n);
         self
     }
+    /// What the job does to its key if it dies (default: block it).
     pub fn with_dead_key_policy(mut self, policy: DeadKeyPolicy) -> Self {
         self.dead_key_policy = policy;
         self
@@ -236,31 +266,53 @@ impl NewJob {
 /// The authority a worker holds over one claimed job: every later write carries it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fence {
+    /// The claimed job.
     pub job: JobId,
+    /// The process start that claimed it.
     pub owner: OwnerId,
+    /// The generation the claim gave it: a write carrying an older one is refused.
     pub generation: Generation,
 }
 
 /// A job as handed to a worker by a claim.
 #[derive(Clone, Debug)]
 pub struct ClaimedJob {
+    /// The job's id.
     pub id: JobId,
+    /// The queue it was claimed from.
     pub queue: String,
+    /// Its handler's kind.
     pub kind: String,
+    /// Its ordering key; `None` for an unkeyed job.
     pub key: Option<String>,
+    /// Its position within its key, fixed at enqueue in commit order; `None` for an
+    /// unkeyed job.
     pub key_seq: Option<i64>,
+    /// Its priority (lower runs first).
     pub priority: i16,
+    /// The payload as stored (JSON); null when `payload_error` is set.
     pub payload: serde_json::Value,
     /// Set when the stored payload could not be decoded (`payload` is then null): the
     /// scheduler makes such a job dead at once with this reason, never its batch.
     pub payload_error: Option<String>,
+    /// Size of the payload's JSON encoding in bytes, as enqueued; counts against
+    /// [`Config::inflight_byte_budget`](crate::Config::inflight_byte_budget).
     pub payload_bytes: i32,
+    /// This attempt's number: 1 for the first (counted at claim, so a crash still
+    /// counts).
     pub attempt: i32,
+    /// Attempts the job gets before it is dead.
     pub max_attempts: i32,
+    /// This claim's fencing token (the job's number of claims so far).
     pub generation: Generation,
+    /// The claiming process start.
     pub owner: OwnerId,
+    /// When the lease taken at claim expires (database clock); renewals move it on in
+    /// the database, not here.
     pub lease_until: DateTime<Utc>,
+    /// When the job was enqueued (database clock).
     pub created_at: DateTime<Utc>,
+    /// When this claim happened (database clock).
     pub claimed_at: DateTime<Utc>,
 }
 
@@ -276,6 +328,7 @@ impl ClaimedJob {
         }
     }
 
+    /// The fence every write about this attempt carries: id, owner and generation.
     pub fn fence(&self) -> Fence {
         Fence {
             job: self.id,
@@ -288,25 +341,52 @@ impl ClaimedJob {
 /// A job row as an operator sees it.
 #[derive(Clone, Debug, Serialize)]
 pub struct JobRecord {
+    /// The job's id.
     pub id: JobId,
+    /// Its queue.
     pub queue: String,
+    /// Its handler's kind.
     pub kind: String,
+    /// Its ordering key; `None` for an unkeyed job.
     pub key: Option<String>,
+    /// Its position within its key (commit order of the enqueues); `None` for an
+    /// unkeyed job.
     pub key_seq: Option<i64>,
+    /// Its priority (lower runs first).
     pub priority: i16,
+    /// Where it is in its life; see the module docs for who moves it on.
     pub state: JobState,
+    /// The payload as stored (JSON); null if it could not be decoded (see
+    /// `payload_error`).
     pub payload: serde_json::Value,
     /// Set when the stored payload or result could not be decoded (shown as null).
     pub payload_error: Option<String>,
+    /// The handler's output, stored by the completing attempt; `None` until the job is
+    /// done.
     pub result: Option<serde_json::Value>,
+    /// Attempts started so far (counted at claim; a release at shutdown gives one back;
+    /// an operator's retry starts again from 0).
     pub attempts: i32,
+    /// After this many attempts a failure or an expired lease makes the job dead.
     pub max_attempts: i32,
+    /// Claims so far: the fencing token of the latest one (0 if never claimed).
     pub generation: Generation,
+    /// Owner id of the process that claimed the latest generation, kept after the job
+    /// ends; `None` if never claimed.
     pub owner: Option<String>,
+    /// While running: when the reaper may take the job back (database clock). `None`
+    /// in every other state.
     pub lease_until: Option<DateTime<Utc>>,
+    /// From when a pending job may be claimed (run-at, delay or retry backoff;
+    /// database clock).
     pub available_at: DateTime<Utc>,
+    /// When the enqueue ran (database clock). A job enqueued in a longer transaction
+    /// becomes visible at its commit, later than this.
     pub created_at: DateTime<Utc>,
+    /// When the job reached done, dead or cancelled; `None` before.
     pub finished_at: Option<DateTime<Utc>>,
+    /// Reason of the latest failed attempt, expired lease, release or operator action;
+    /// `None` if there was none.
     pub last_error: Option<String>,
     /// When an operator asked to cancel this job while it ran (it ends cancelled unless
     /// that attempt completes).
@@ -316,11 +396,20 @@ pub struct JobRecord {
 /// One line of a job's history.
 #[derive(Clone, Debug, Serialize)]
 pub struct JobEvent {
+    /// The job.
     pub job: JobId,
+    /// The job's generation when it happened.
     pub generation: Generation,
+    /// What happened: `claimed`, `completed`, `failed`, `dead`, `reaped`, `released`,
+    /// `held`, `unheld`, `cancel_requested`, `cancelled` or `retried_by_operator`
+    /// (`claimed` and `completed` only with
+    /// [`StoreOptions::full_history`](crate::StoreOptions::full_history)).
     pub event: String,
+    /// Who made the transition: a worker's or reaper's owner id, or `operator`.
     pub owner: Option<String>,
+    /// When it happened (database clock).
     pub at: DateTime<Utc>,
+    /// The reason or error text, when there is one.
     pub detail: Option<String>,
 }
 
@@ -331,7 +420,10 @@ pub enum CompleteOutcome {
     Completed,
     /// An earlier call by the same owner and generation already completed it (its reply
     /// was lost); the stored result is returned and nothing was written.
-    AlreadyCompleted { result: Option<serde_json::Value> },
+    AlreadyCompleted {
+        /// The result stored by the earlier call.
+        result: Option<serde_json::Value>,
+    },
     /// The worker no longer owns this generation: nothing was written.
     Stale,
 }
@@ -340,7 +432,10 @@ pub enum CompleteOutcome {
 #[derive(Clone, Debug, PartialEq)]
 pub enum FailOutcome {
     /// Back to pending, claimable again from `available_at` (database clock).
-    Retrying { available_at: DateTime<Utc> },
+    Retrying {
+        /// When the job becomes claimable again (database clock).
+        available_at: DateTime<Utc>,
+    },
     /// Attempts exhausted (or a permanent error): dead, with the reason stored.
     Dead,
     /// An operator asked to cancel the job while this attempt ran: cancelled, and its
@@ -353,6 +448,8 @@ pub enum FailOutcome {
 /// Result of a fenced write that has no other variants (release).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FenceOutcome {
+    /// The write was made: the fence still held.
     Applied,
+    /// The worker no longer owns this generation: nothing was written.
     Stale,
 }

@@ -34,15 +34,21 @@ impl Default for Histogram {
 /// Quantiles from a log-scale histogram (bucket upper bounds, so within 2x).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LatencySummary {
+    /// Durations recorded since the scheduler started.
     pub count: u64,
+    /// Median: the upper bound of the bucket holding it, so at most twice the truth
+    /// (and never above `max`). Zero when nothing was recorded.
     pub p50: Duration,
+    /// 99th percentile, within 2x like `p50`.
     pub p99: Duration,
+    /// The longest duration recorded, exact to the microsecond.
     pub max: Duration,
 }
 
 /// A histogram at one moment, in the shape Prometheus wants.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct HistogramSnapshot {
+    /// Durations recorded since the scheduler started.
     pub count: u64,
     /// Sum of the recorded durations, in seconds.
     pub sum_secs: f64,

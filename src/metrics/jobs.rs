@@ -29,6 +29,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in the order snapshots list them.
     pub const ALL: [Outcome; 7] = [
         Outcome::Completed,
         Outcome::Retried,
@@ -95,7 +96,9 @@ impl JobMeter {
 /// One (queue, kind)'s figures at one moment.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobSnapshot {
+    /// The queue the jobs were claimed from.
     pub queue: String,
+    /// The jobs' kind.
     pub kind: String,
     /// Attempts ended, by outcome (every outcome listed, zeros included).
     pub outcomes: Vec<(Outcome, u64)>,
@@ -107,6 +110,7 @@ pub struct JobSnapshot {
 }
 
 impl JobSnapshot {
+    /// Attempts that ended with `outcome`; 0 if none did.
     pub fn ended(&self, outcome: Outcome) -> u64 {
         self.outcomes
             .iter()

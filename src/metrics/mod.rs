@@ -51,6 +51,7 @@ impl MailboxMeter {
         }
     }
 
+    /// Messages sent to this actor kind and not yet handled.
     pub fn depth(&self) -> u64 {
         self.sent
             .load(Relaxed)
@@ -89,11 +90,14 @@ impl Drop for HandlingGuard {
 /// One actor kind's mailbox figures.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MailboxSnapshot {
+    /// The actor kind: `claimer`, `completer`, `lease_renewer`, `reaper` or
+    /// `sequencer` (all sequencers share one meter).
     pub actor: String,
     /// Messages sent but not yet handled.
     pub depth: u64,
     /// Largest depth seen.
     pub high_water: u64,
+    /// Messages handled since start.
     pub handled: u64,
     /// Mean time spent in a handler (not counting futures it spawned).
     pub mean_handling: Duration,
@@ -204,6 +208,7 @@ counters! {
 /// Shared metrics of one scheduler.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// The scheduler's counters, added to by its actors.
     pub counters: Counters,
     mailboxes: DashMap<&'static str, Arc<MailboxMeter>>,
     claim_latency: Histogram,
@@ -250,6 +255,7 @@ impl Metrics {
         self.jobs.entry(key).or_default().clone()
     }
 
+    /// Every figure at this moment (what [`crate::Scheduler::metrics`] returns).
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut mailboxes: Vec<MailboxSnapshot> = self
             .mailboxes
@@ -280,9 +286,13 @@ impl Metrics {
 /// Everything at one moment.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MetricsSnapshot {
+    /// The counters, monotonic since the scheduler started.
     pub counters: CounterSnapshot,
+    /// Mailbox figures per actor kind, sorted by actor.
     pub mailboxes: Vec<MailboxSnapshot>,
+    /// Jobs this scheduler holds now: running, or claimed and queued for their key.
     pub in_flight: u64,
+    /// Sequencer actors alive now (one per key with work in this process).
     pub sequencers: u64,
     /// Claimed jobs waiting in this process for a free slot (claimed ahead, or a key's
     /// successor claimed while every slot was busy).
@@ -298,10 +308,14 @@ pub struct MetricsSnapshot {
 }
 
 impl MetricsSnapshot {
+    /// The mailbox figures of one actor kind (see [`MailboxSnapshot::actor`]); `None`
+    /// for a kind not metered yet (`sequencer` before the first keyed job).
     pub fn mailbox(&self, actor: &str) -> Option<&MailboxSnapshot> {
         self.mailboxes.iter().find(|m| m.actor == actor)
     }
 
+    /// The figures of one (queue, kind); `None` until this scheduler has claimed a job
+    /// of it.
     pub fn job(&self, queue: &str, kind: &str) -> Option<&JobSnapshot> {
         self.jobs
             .iter()

@@ -1,12 +1,23 @@
 //! The public handle: build, start, enqueue, observe, stop.
 //!
-//! ```ignore
+//! ```no_run
+//! # use leasehold::{Config, Handler, JobContext, JobError, Scheduler};
+//! # struct SendEmail;
+//! # impl Handler for SendEmail {
+//! #     type Payload = String;
+//! #     type Output = ();
+//! #     const KIND: &'static str = "send_email";
+//! #     async fn run(&self, _: JobContext, _: String) -> Result<(), JobError> { Ok(()) }
+//! # }
+//! # async fn example(pool: sqlx::PgPool, email: String) -> leasehold::Result<()> {
 //! let scheduler = Scheduler::builder(pool, Config::default())
 //!     .register(SendEmail)
 //!     .start()
 //!     .await?;
 //! scheduler.enqueue::<SendEmail>(&email).await?;
 //! scheduler.shutdown().await?;
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! Start it from any async context: an actix `System` (actix-web), or any tokio
@@ -96,6 +107,10 @@ pub struct ShutdownReport {
 }
 
 impl Scheduler {
+    /// Start building a scheduler over the host's `pool`: enqueues, the handle's
+    /// [`Store`] and the migration at start use it, and the scheduler opens connections
+    /// of its own with the same connect options. Register handlers, then
+    /// [`SchedulerBuilder::start`].
     pub fn builder(pool: PgPool, config: Config) -> SchedulerBuilder {
         SchedulerBuilder {
             pool,
@@ -123,7 +138,39 @@ impl Scheduler {
     }
 
     /// Enqueue inside the caller's transaction (the same checks as
-    /// [`Scheduler::enqueue_job`]).
+    /// [`Scheduler::enqueue_job`]): the job exists exactly when the caller's writes
+    /// do. If the transaction rolls back, the job never existed; the wake-up (NOTIFY)
+    /// is sent at commit. A keyed job takes its place in its key's order at commit, and
+    /// holds the key's row lock until then: keep the transaction short.
+    ///
+    /// ```no_run
+    /// use leasehold::{NewJob, Scheduler};
+    /// use serde::Serialize;
+    ///
+    /// #[derive(Serialize)]
+    /// struct Fulfil {
+    ///     order_id: i64,
+    /// }
+    ///
+    /// /// Insert the order and enqueue its fulfilment: both or neither.
+    /// async fn place_order(
+    ///     pool: &sqlx::PgPool,
+    ///     scheduler: &Scheduler,
+    ///     customer: &str,
+    /// ) -> Result<i64, leasehold::Error> {
+    ///     let mut tx = pool.begin().await?;
+    ///     let order_id: i64 =
+    ///         sqlx::query_scalar("INSERT INTO orders (customer) VALUES ($1) RETURNING id")
+    ///             .bind(customer)
+    ///             .fetch_one(&mut *tx)
+    ///             .await?;
+    ///     let job = NewJob::new("fulfil_order", &Fulfil { order_id })?
+    ///         .with_key(format!("customer:{customer}")); // one customer's orders in order
+    ///     scheduler.enqueue_in(&mut tx, job).await?;
+    ///     tx.commit().await?;
+    ///     Ok(order_id)
+    /// }
+    /// ```
     pub async fn enqueue_in(&self, conn: &mut PgConnection, job: NewJob) -> Result<JobId> {
         let job = self.ours(job)?;
         self.env().host_store.enqueue_in(conn, job).await

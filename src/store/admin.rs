@@ -193,6 +193,27 @@ impl Store {
     /// Put a pending job on hold: it is not claimed until [`Store::release_hold`]. A held
     /// head blocks its key. Only pending jobs can be held (a waiting job is held by
     /// holding its key's head).
+    ///
+    /// Errors: [`Error::JobNotFound`], or [`Error::InvalidTransition`] when the job is
+    /// not pending (nothing changed).
+    ///
+    /// ```no_run
+    /// # async fn example(scheduler: leasehold::Scheduler) -> leasehold::Result<()> {
+    /// use leasehold::{Error, JobId};
+    ///
+    /// let store = scheduler.store(); // or a Store of your own over the same schema
+    /// let id = JobId(42);
+    /// match store.hold(id).await {
+    ///     Ok(()) => println!("job {id} is held"),
+    ///     // Already claimed, finished, or waiting behind its key: say so, change nothing.
+    ///     Err(Error::InvalidTransition { state, .. }) => println!("job {id} is {state}"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// // ... look into it, then let it run again:
+    /// store.release_hold(id).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn hold(&self, id: JobId) -> Result<()> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
@@ -214,7 +235,10 @@ impl Store {
         Ok(())
     }
 
-    /// Release a hold: the job is pending again.
+    /// Release a hold: the job is pending again, claimable from its `available_at` (or
+    /// at once if that has passed). Errors: [`Error::JobNotFound`], or
+    /// [`Error::InvalidTransition`] when the job is not held. See [`Store::hold`] for an
+    /// example.
     pub async fn release_hold(&self, id: JobId) -> Result<()> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
@@ -241,7 +265,26 @@ impl Store {
 
     /// Cancel a job that has not finished. A job that is not running is cancelled at
     /// once (a head's key moves on to its next job). A running job is asked to stop:
-    /// see the module docs and [`CancelOutcome::Requested`].
+    /// see the module docs and [`CancelOutcome::Requested`]. A dead job can be cancelled
+    /// too (taking it out of the dead-letter queue and unblocking its key).
+    ///
+    /// `reason` is stored in the job's `last_error` and history. Errors:
+    /// [`Error::JobNotFound`], or [`Error::InvalidTransition`] when the job is already
+    /// done or cancelled.
+    ///
+    /// ```no_run
+    /// # async fn example(store: leasehold::Store) -> leasehold::Result<()> {
+    /// use leasehold::{CancelOutcome, JobId};
+    ///
+    /// match store.cancel(JobId(42), "customer closed the account").await? {
+    ///     CancelOutcome::Cancelled => println!("cancelled"),
+    ///     // It was running: its handler is told to stop. It ends cancelled, or done if
+    ///     // that attempt completes anyway; watch its state to see which.
+    ///     CancelOutcome::Requested => println!("asked the running attempt to stop"),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn cancel(&self, id: JobId, reason: &str) -> Result<CancelOutcome> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
@@ -308,6 +351,34 @@ impl Store {
 
     /// Retry a dead job from a fresh attempt count. A job that blocked its key resumes
     /// as the head; one whose key moved on (Continue policy) re-enters at the key's end.
+    /// Errors: [`Error::JobNotFound`], or [`Error::InvalidTransition`] when the job is
+    /// not dead.
+    ///
+    /// ```no_run
+    /// # async fn example(store: leasehold::Store) -> leasehold::Result<()> {
+    /// use leasehold::store::JobFilter;
+    /// use leasehold::JobState;
+    ///
+    /// // Retry every dead job of one queue, a page at a time (the dead-letter queue).
+    /// let mut filter = JobFilter {
+    ///     queue: Some("payments".into()),
+    ///     state: Some(JobState::Dead),
+    ///     ..JobFilter::default()
+    /// };
+    /// loop {
+    ///     let page = store.list_jobs(&filter).await?;
+    ///     for job in &page {
+    ///         println!("retrying {} after: {:?}", job.id, job.last_error);
+    ///         store.retry_dead(job.id).await?;
+    ///     }
+    ///     match page.last() {
+    ///         Some(last) if page.len() as i64 == filter.limit => filter.after = Some(last.id),
+    ///         _ => break,
+    ///     }
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn retry_dead(&self, id: JobId) -> Result<()> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;

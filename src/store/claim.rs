@@ -80,7 +80,9 @@ SELECT * FROM u j"#;
 /// What to claim.
 #[derive(Clone, Debug)]
 pub struct ClaimRequest {
+    /// Who claims: the owner every later write about the claimed jobs must carry.
     pub owner: OwnerId,
+    /// Queues to claim from.
     pub queues: Vec<String>,
     /// Kinds this worker can run; `None` claims any kind (tools and tests).
     pub kinds: Option<Vec<String>>,
@@ -92,12 +94,15 @@ pub struct ClaimRequest {
     /// large job cannot starve. A scheduler sets this only when it holds no payload
     /// bytes at all; otherwise a spent budget claims nothing. Default true.
     pub first_over_budget: bool,
+    /// Lease taken on each claimed job, from the database's clock at the claim.
     pub lease: Duration,
     /// Test clock: claim as if the database time were `at`.
     pub at: Option<DateTime<Utc>>,
 }
 
 impl ClaimRequest {
+    /// Claim up to `limit` jobs of any kind from `queues` for `owner`, each leased for
+    /// `lease`, with no byte budget and the database's clock.
     pub fn new(owner: OwnerId, queues: Vec<String>, limit: i64, lease: Duration) -> Self {
         ClaimRequest {
             owner,

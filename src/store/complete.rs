@@ -106,7 +106,8 @@ impl Store {
     /// its own writes (leasehold does not abort the caller's transaction for it).
     ///
     /// A keyed job's key row is locked until the caller commits: keep the transaction
-    /// short (the key's next job cannot start before it ends).
+    /// short (the key's next job cannot start before it ends). A handler calls
+    /// [`JobContext::complete_in`](crate::JobContext::complete_in), which has an example.
     pub async fn complete_in(
         &self,
         conn: &mut PgConnection,

@@ -35,12 +35,21 @@ FROM {s}.effects WHERE effect_key = $1"#;
 /// A recorded effect.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct EffectRecord {
+    /// The stable key: job id and step name (see [`crate::EffectKey`]).
     pub effect_key: String,
+    /// The job that performed the effect.
     pub job: JobId,
+    /// The generation that recorded the outcome.
     pub generation: Generation,
+    /// SHA-256 of the request (see [`crate::context::fingerprint`]); the same key with
+    /// another request is refused, not replayed.
     pub fingerprint: String,
+    /// The recorded outcome, returned to any later attempt instead of acting again.
     pub outcome: serde_json::Value,
+    /// When it was recorded (database clock).
     pub recorded_at: DateTime<Utc>,
+    /// The ledger keeps the record at least until then (recorded at plus
+    /// `Config::effect_keep`), and longer while its job may still run.
     pub keep_until: DateTime<Utc>,
 }
 

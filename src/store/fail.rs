@@ -90,6 +90,7 @@ FROM u"#;
 /// Why an attempt failed, for [`Store::fail`].
 #[derive(Clone, Debug)]
 pub struct Failure {
+    /// Why, stored as the job's `last_error` (cut to 4 KiB, NULs escaped).
     pub reason: String,
     /// Dead at once, whatever attempts remain (undecodable payload, permanent error).
     pub permanent: bool,

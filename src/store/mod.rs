@@ -65,8 +65,12 @@ pub struct StoreOptions {
     pub full_history: bool,
 }
 
+/// Default [`StoreOptions::max_payload_bytes`]: 256 KiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 256 * 1024;
+/// Default [`StoreOptions::max_result_bytes`]: 1 MiB.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 1024 * 1024;
+/// Default attempts per job ([`StoreOptions::default_max_attempts`] and
+/// `Config::retry.max_attempts`): 25.
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
 
 impl Default for StoreOptions {
@@ -85,11 +89,14 @@ impl Default for StoreOptions {
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Backoff {
+    /// Wait after the first failed attempt; doubles with each attempt. Default 1 s.
     #[serde(with = "crate::config::humantime_serde")]
     pub base: Duration,
+    /// The longest wait, whatever the attempt. Default 10 min.
     #[serde(with = "crate::config::humantime_serde")]
     pub cap: Duration,
-    /// 0.0 ..= 1.0.
+    /// The largest fraction taken off a wait at random, 0.0 ..= 1.0, so jobs that
+    /// failed together do not retry together. Default 0.25.
     pub jitter: f64,
 }
 
@@ -166,14 +173,17 @@ impl Store {
         }
     }
 
+    /// The pool this store's statements run on.
     pub fn pool(&self) -> &PgPool {
         &self.inner.pool
     }
 
+    /// The schema holding this store's tables.
     pub fn schema(&self) -> &Schema {
         &self.inner.schema
     }
 
+    /// The limits and defaults this store enqueues and completes with.
     pub fn options(&self) -> &StoreOptions {
         &self.inner.options
     }

@@ -85,6 +85,7 @@ pub struct ReapReport {
 }
 
 impl ReapReport {
+    /// True when the pass found no expired lease.
     pub fn is_empty(&self) -> bool {
         self.retried.is_empty() && self.dead.is_empty() && self.cancelled.is_empty()
     }

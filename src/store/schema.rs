@@ -31,6 +31,7 @@ impl Schema {
         })
     }
 
+    /// The name as given (unquoted).
     pub fn name(&self) -> &str {
         &self.name
     }

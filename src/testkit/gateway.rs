@@ -56,7 +56,9 @@ pub use wire::MAX_LINE_BYTES;
 /// fencing token is not part of the request (every attempt carries its own).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ChargeRequest {
+    /// The account charged; fencing tokens are compared per account.
     pub account: String,
+    /// The amount, in cents.
     pub amount_cents: i64,
     /// The caller's reference for this payment (shown in the log; faults match on it).
     pub reference: String,
@@ -67,9 +69,13 @@ pub struct ChargeRequest {
 pub struct Receipt {
     /// Unique per applied charge, from 1.
     pub charge_id: u64,
+    /// The key the charge was applied under.
     pub idempotency_key: String,
+    /// The account charged.
     pub account: String,
+    /// The amount charged, in cents.
     pub amount_cents: i64,
+    /// The request's reference.
     pub reference: String,
     /// The token of the request that applied it.
     pub fencing_token: Option<u64>,
@@ -84,7 +90,12 @@ pub enum ChargeResult {
     Duplicate(Receipt),
     /// The request's token is older than one already seen for the account: refused,
     /// nothing charged. Whoever sent it has been superseded.
-    Fenced { seen: u64, got: u64 },
+    Fenced {
+        /// The highest token the gateway had seen for the account.
+        seen: u64,
+        /// The request's token.
+        got: u64,
+    },
     /// The key was charged before with a different request: refused, nothing charged.
     Mismatch,
     /// The gateway failed the request without charging (an injected failure).
@@ -119,6 +130,7 @@ impl ChargeResult {
     }
 }
 
+/// A fault to inject into one charge request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Fault {
@@ -147,6 +159,7 @@ struct FaultRule {
 }
 
 impl FaultSchedule {
+    /// No faults.
     pub fn new() -> Self {
         Self::default()
     }
@@ -161,10 +174,12 @@ impl FaultSchedule {
         self
     }
 
+    /// Faults scheduled.
     pub fn len(&self) -> usize {
         self.rules.len()
     }
 
+    /// True when no fault is scheduled.
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()
     }
@@ -203,10 +218,16 @@ impl Default for GatewayConfig {
 /// The gateway's decision about one charge request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Decision {
+    /// Charged ([`ChargeResult::Applied`]).
     Applied,
+    /// Answered with the earlier receipt of the same key and request
+    /// ([`ChargeResult::Duplicate`]).
     Duplicate,
+    /// Refused for an old fencing token ([`ChargeResult::Fenced`]).
     Fenced,
+    /// Refused: the key was used with another request ([`ChargeResult::Mismatch`]).
     Mismatch,
+    /// Failed by an injected fault, nothing charged ([`ChargeResult::Failed`]).
     Failed,
 }
 
@@ -215,9 +236,13 @@ pub enum Decision {
 pub struct LogEntry {
     /// Position in decision order, from 1.
     pub n: u64,
+    /// The request's idempotency key.
     pub idempotency_key: String,
+    /// What was asked.
     pub request: ChargeRequest,
+    /// The request's fencing token; `None` if it carried none (never fenced).
     pub fencing_token: Option<u64>,
+    /// What the gateway decided.
     pub decision: Decision,
     /// The charge applied, or the one a duplicate returned.
     pub charge_id: Option<u64>,

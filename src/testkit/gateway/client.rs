@@ -42,7 +42,6 @@ impl GatewayError {
     }
 }
 
-/// A fault to inject into one request.
 /// A client of the simulator: one connection per call, every call bounded by its
 /// timeout.
 #[derive(Clone, Debug)]
@@ -52,6 +51,7 @@ pub struct GatewayClient {
 }
 
 impl GatewayClient {
+    /// A client of the gateway at `addr`, with [`DEFAULT_CLIENT_TIMEOUT`].
     pub fn new(addr: SocketAddr) -> Self {
         GatewayClient {
             addr,

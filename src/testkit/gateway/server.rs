@@ -90,6 +90,7 @@ impl Gateway {
         })
     }
 
+    /// The loopback address it listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -99,6 +100,7 @@ impl Gateway {
         GatewayClient::new(self.addr)
     }
 
+    /// Its figures so far.
     pub fn counts(&self) -> GatewayCounts {
         self.shared.lock().counts
     }
@@ -150,10 +152,13 @@ impl Gateway {
         }
     }
 
+    /// Turn deduplication by idempotency key on or off from the next request (see
+    /// [`GatewayConfig::idempotency`]).
     pub fn set_idempotency(&self, on: bool) {
         self.shared.lock().config.idempotency = on;
     }
 
+    /// Turn fencing on or off from the next request (see [`GatewayConfig::fencing`]).
     pub fn set_fencing(&self, on: bool) {
         self.shared.lock().config.fencing = on;
     }
