@@ -94,8 +94,15 @@ impl Handler for FulfilOrder {
                 tx.rollback().await?;
                 Err(JobError::retry("lost the lease before fulfilling"))
             }
-            CompleteOutcome::Completed | CompleteOutcome::AlreadyCompleted { .. } => {
+            CompleteOutcome::Completed => {
                 tx.commit().await?;
+                Ok(())
+            }
+            CompleteOutcome::AlreadyCompleted { .. } => {
+                // An earlier call of this attempt committed the order with its
+                // completion (its reply was lost): this transaction's writes are a
+                // second copy, so they go.
+                tx.rollback().await?;
                 Ok(())
             }
         }

@@ -54,6 +54,8 @@ pub const DEFAULT_COMPLETION_BATCH: usize = 128;
 pub const DEFAULT_COMPLETION_FLUSH: Duration = Duration::from_millis(2);
 /// Default [`Config::retention`]: done and cancelled jobs are kept 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Default [`Config::metrics_cache`].
+pub const DEFAULT_METRICS_CACHE: Duration = Duration::from_secs(5);
 /// The longest duration any field accepts (100 years): deadlines are computed on the
 /// monotonic clock and as PostgreSQL intervals, and both overflow far beyond it.
 pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
@@ -197,6 +199,12 @@ pub struct Config {
     /// cancels them. `None` keeps everything. Default 7 days.
     #[serde(with = "humantime_serde::option")]
     pub retention: Option<Duration>,
+    /// How long a metrics scrape reuses the per-queue gauges read from the database
+    /// (feature `prometheus`): every scrape within it, from any clone of the handle or
+    /// actix-web worker, is served the same reading, so scrapes cannot load the
+    /// database. Zero reads on every scrape. Default 5 s.
+    #[serde(with = "humantime_serde")]
+    pub metrics_cache: Duration,
     /// Store limits: payload cap (default 256 KiB) and history detail.
     pub store: StoreOptions,
 }
@@ -228,6 +236,7 @@ impl Default for Config {
             completion_batch: DEFAULT_COMPLETION_BATCH,
             completion_flush: DEFAULT_COMPLETION_FLUSH,
             retention: Some(DEFAULT_RETENTION),
+            metrics_cache: DEFAULT_METRICS_CACHE,
             store: StoreOptions::default(),
         }
     }
@@ -446,10 +455,9 @@ impl Config {
     /// Variables are read in no particular order and the first error stops the reading,
     /// so after an error some fields may already be set; discard the config then.
     ///
-    /// # Panics
-    ///
-    /// If any environment variable, under the prefix or not, has a name or value that
-    /// is not valid Unicode (it reads them with [`std::env::vars`]).
+    /// The error names the variable as well as the field. Variables whose names are not
+    /// Unicode are not ours and are skipped; a value under the prefix that is not
+    /// Unicode is an error.
     ///
     /// ```
     /// use std::time::Duration;
@@ -470,12 +478,29 @@ impl Config {
     pub fn set_from_env(&mut self, prefix: &str) -> Result<usize> {
         let lead = format!("{prefix}_");
         let mut n = 0;
-        for (name, value) in std::env::vars() {
-            if let Some(rest) = name.strip_prefix(&lead) {
-                let field = rest.to_lowercase().replace("__", ".");
-                self.set(&field, &value)?;
-                n += 1;
-            }
+        // vars_os: a variable of the host's that is not Unicode is none of ours and
+        // must not panic here; one under the prefix is refused by name.
+        for (name, value) in std::env::vars_os() {
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&lead)) else {
+                continue;
+            };
+            let var = format!("{lead}{rest}");
+            let from_var = |e: Error| match e {
+                Error::Config { field, reason } => Error::Config {
+                    field,
+                    reason: format!("{reason} (environment variable {var})"),
+                },
+                other => other,
+            };
+            let value = value.to_str().ok_or_else(|| {
+                refuse(
+                    "config",
+                    format!("environment variable {var} is not Unicode"),
+                )
+            })?;
+            let field = rest.to_lowercase().replace("__", ".");
+            self.set(&field, value).map_err(from_var)?;
+            n += 1;
         }
         Ok(n)
     }
@@ -674,6 +699,14 @@ mod tests {
         set_sfe(&[("LEASE", "45s"), ("LEESE", "30s")]);
         let err = Config::default().set_from_env(SFE).unwrap_err().to_string();
         assert!(err.contains("leese"), "{err}");
+        assert!(
+            err.contains(&format!("{SFE}_LEESE")),
+            "names the variable: {err}"
+        );
+        assert!(
+            err.contains(&format!("{SFE}_LEESE")),
+            "names the variable: {err}"
+        );
 
         set_sfe(&[("RETRY__BACKOFF__BASE", "soon")]);
         let err = Config::default().set_from_env(SFE).unwrap_err().to_string();

@@ -59,6 +59,10 @@ pub(crate) struct Env {
     /// while every slot was busy); see `actor::dispatch`. Their leases are renewed
     /// meanwhile (they are in `running`).
     pub ready: ReadyQueue,
+    /// The per-queue gauges last read for a metrics scrape, shared by every clone of
+    /// the handle (so by every actix-web worker's `/metrics` route).
+    #[cfg(feature = "prometheus")]
+    pub gauge_cache: crate::prometheus::GaugeCache,
 }
 
 impl Env {

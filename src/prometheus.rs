@@ -17,6 +17,7 @@
 //! reads the open and parked jobs' partial indexes, never the done history.
 
 use std::fmt;
+use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
@@ -65,10 +66,39 @@ pub async fn render(scheduler: &Scheduler, format: Format) -> Result<String> {
 
 /// [`render`], reading the per-queue gauges through `store` (over a pool of the
 /// caller's runtime, on the scheduler's schema).
+///
+/// The gauges are read at most once per [`Config::metrics_cache`](crate::Config) for all
+/// clones of the handle: scrapes in between (several Prometheus servers, every actix-web
+/// worker) reuse the last reading, and concurrent scrapes wait for one read, so scraping
+/// cannot load the database.
 pub async fn render_with(scheduler: &Scheduler, store: &Store, format: Format) -> Result<String> {
-    let mut gauges = store.queue_gauges().await?;
+    let max_age = scheduler.config().metrics_cache;
+    let mut gauges = scheduler.gauge_cache().read(store, max_age).await?;
     with_every_queue(&mut gauges, &scheduler.config().queues);
     Ok(encode(scheduler.metrics(), gauges, format))
+}
+
+/// The per-queue gauges last read, and when. Held by the scheduler (see
+/// [`render_with`]).
+#[derive(Debug, Default)]
+pub(crate) struct GaugeCache {
+    last: tokio::sync::Mutex<Option<(Instant, Vec<QueueGauges>)>>,
+}
+
+impl GaugeCache {
+    /// The gauges read less than `max_age` ago, or read now. The lock is held across
+    /// the read so that concurrent callers wait for it instead of each reading.
+    async fn read(&self, store: &Store, max_age: Duration) -> Result<Vec<QueueGauges>> {
+        let mut last = self.last.lock().await;
+        if let Some((at, gauges)) = last.as_ref() {
+            if at.elapsed() < max_age {
+                return Ok(gauges.clone());
+            }
+        }
+        let gauges = store.queue_gauges().await?;
+        *last = Some((Instant::now(), gauges.clone()));
+        Ok(gauges)
+    }
 }
 
 /// Zeros for the configured queues that have no open job, so a drained queue reads 0

@@ -284,3 +284,54 @@ fn metrics_route_answers_openmetrics_to_a_prometheus_server() {
         db.drop().await;
     }))
 }
+
+/// Pending jobs of `default` in a scrape through a fresh route over `scheduler`'s handle
+/// (as each actix-web worker mounts its own).
+async fn pending_scraped(scheduler: &Scheduler) -> f64 {
+    let (_, text) = scrape(scheduler, None).await;
+    Parsed::new(&text).gauge(
+        "leasehold_jobs",
+        &[("queue", "default"), ("state", "pending")],
+    )
+}
+
+#[test]
+fn scrapes_within_metrics_cache_reuse_one_database_reading_across_routes() {
+    run_in_system(within(60, "metrics cache test", async {
+        let db = TestDb::with_options("prom_cache", StoreOptions::default(), POOL).await;
+        let later = || job("quick", "default").with_delay(Duration::from_secs(3600));
+        let mut config = fast_config(&db.schema);
+        config.metrics_cache = Duration::from_secs(3600);
+        let cached = Scheduler::builder(db.pool.clone(), config)
+            .register(Act::<QUICK>)
+            .start()
+            .await
+            .unwrap();
+        cached.enqueue_job(later()).await.unwrap();
+        assert_eq!(pending_scraped(&cached).await, 1.0);
+        cached.enqueue_job(later()).await.unwrap();
+        assert_eq!(
+            pending_scraped(&cached.clone()).await,
+            1.0,
+            "a second route over a clone of the handle is served the cached reading"
+        );
+        cached.shutdown().await.unwrap();
+
+        let mut config = fast_config(&db.schema);
+        config.metrics_cache = Duration::ZERO;
+        let uncached = Scheduler::builder(db.pool.clone(), config)
+            .register(Act::<QUICK>)
+            .start()
+            .await
+            .unwrap();
+        assert_eq!(pending_scraped(&uncached).await, 2.0);
+        uncached.enqueue_job(later()).await.unwrap();
+        assert_eq!(
+            pending_scraped(&uncached).await,
+            3.0,
+            "zero reads every scrape"
+        );
+        uncached.shutdown().await.unwrap();
+        db.drop().await;
+    }))
+}

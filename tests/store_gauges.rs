@@ -125,3 +125,87 @@ async fn gauges_never_scan_the_jobs_table_whatever_its_history() {
     })
     .await
 }
+
+/// A lease expiry of job `id` (generation `generation`) recorded `ago` before now.
+async fn add_expiry(db: &TestDb, id: i64, generation: i64, ago: &str) {
+    sqlx::query(&format!(
+        "INSERT INTO {} (job_id, generation, owner, lease_until, reaped_at, reaped_by, new_state)
+         VALUES ($1, $2, 'w', now() - $3::interval, now() - $3::interval, 'r', 'pending')",
+        db.table("lease_expiries")
+    ))
+    .bind(id)
+    .bind(generation)
+    .bind(ago)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+async fn first_done_id(db: &TestDb, queue: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT min(id) FROM {} WHERE queue = $1 AND state = 'done'",
+        db.table("jobs")
+    ))
+    .bind(queue)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn queue_stats_count_recent_lease_expiries_and_never_scan_a_never_analyzed_history() {
+    bounded(async {
+        let db = TestDb::new("stats_recent").await;
+        add_done_history(&db, "a", 20_000).await;
+        add_done_history(&db, "c", 10).await;
+        db.store.enqueue(job("k").with_queue("a")).await.unwrap();
+        let held = db.store.enqueue(job("k").with_queue("b")).await.unwrap();
+        db.store.hold(held).await.unwrap();
+        let (a, c) = (first_done_id(&db, "a").await, first_done_id(&db, "c").await);
+        add_expiry(&db, a, 1, "2 minutes").await;
+        add_expiry(&db, a, 2, "1 second").await;
+        add_expiry(&db, a, 3, "1 hour").await;
+        add_expiry(&db, c, 1, "5 minutes").await;
+        // No ANALYZE: the state of a fresh table with autovacuum off or not yet run.
+        let runner = db.other_store_sized("runner", 1).await;
+
+        let before = seq_scans(&db, runner.pool()).await;
+        let stats = runner.queue_stats().await.unwrap();
+        let after = seq_scans(&db, runner.pool()).await;
+        assert_eq!(
+            after - before,
+            0,
+            "queue_stats scanned the jobs table (20,010 done rows, never analyzed)"
+        );
+
+        let queues: Vec<&str> = stats.iter().map(|s| s.queue.as_str()).collect();
+        assert_eq!(
+            queues,
+            ["a", "b", "c"],
+            "c has no open job but a recent expiry: {stats:?}"
+        );
+        assert_eq!(stats[0].by_state.get("pending"), Some(&1));
+        assert_eq!(
+            stats[0].by_state.get("done"),
+            None,
+            "history is not counted"
+        );
+        assert_eq!(
+            stats[0].recent_lease_expiries, 2,
+            "the expiry of an hour ago is outside the window"
+        );
+        assert_eq!(stats[1].by_state.get("held"), Some(&1));
+        assert_eq!(stats[1].recent_lease_expiries, 0);
+        assert_eq!(stats[2].recent_lease_expiries, 1);
+        assert!(stats[2].by_state.is_empty());
+
+        // The census counts the history, at the cost of a scan.
+        let counts = runner.job_counts().await.unwrap();
+        assert_eq!(counts["a"]["done"], 20_000);
+        assert_eq!(counts["a"]["pending"], 1);
+        assert_eq!(counts["c"]["done"], 10);
+        assert!(seq_scans(&db, runner.pool()).await > after);
+        db.drop().await;
+    })
+    .await
+}

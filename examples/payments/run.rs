@@ -219,8 +219,8 @@ async fn wait_until_settled(
     let deadline = Instant::now() + RUN_DEADLINE;
     loop {
         let mut by_state = BTreeMap::new();
-        for q in store.queue_stats().await? {
-            for (state, n) in q.by_state {
+        for (_queue, states) in store.job_counts().await? {
+            for (state, n) in states {
                 *by_state.entry(state).or_insert(0) += n;
             }
         }

@@ -123,6 +123,12 @@ impl Scheduler {
         &self.core.env
     }
 
+    /// The metrics scrapes' gauge cache, shared by every clone of this handle.
+    #[cfg(feature = "prometheus")]
+    pub(crate) fn gauge_cache(&self) -> &crate::prometheus::GaugeCache {
+        &self.env().gauge_cache
+    }
+
     /// Enqueue a job for handler `H` in the first configured queue.
     pub async fn enqueue<H: JobHandler>(&self, payload: &H::Payload) -> Result<JobId> {
         self.enqueue_job(NewJob::new(H::KIND, payload)?).await

@@ -216,6 +216,8 @@ fn build(
         stop_claiming: CancellationToken::new(),
         hard_stop: CancellationToken::new(),
         ready: Default::default(),
+        #[cfg(feature = "prometheus")]
+        gauge_cache: Default::default(),
         config: config.clone(),
     });
     let claimer = Metered::new(Claimer::new(env.clone()).start(), metrics.meter("claimer"));

@@ -32,10 +32,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "held and dead jobs by queue, for the metrics' gauges",
         include_str!("../../migrations/0004_parked.sql"),
     ),
+    (
+        5,
+        "lease expiries by time, for the recent expiries in queue statistics",
+        include_str!("../../migrations/0005_recent_expiries.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 4;
+pub const SCHEMA_VERSION: i32 = 5;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

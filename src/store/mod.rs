@@ -43,7 +43,7 @@ pub use lease::RenewReport;
 pub use migrate::SCHEMA_VERSION;
 pub use reap::ReapReport;
 pub use schema::Schema;
-pub use stats::{KeyBlock, QueueGauges, QueueStats};
+pub use stats::{KeyBlock, QueueGauges, QueueStats, RECENT_EXPIRIES};
 
 use crate::error::Result;
 

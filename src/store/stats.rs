@@ -11,26 +11,45 @@ use super::Store;
 use crate::error::Result;
 use crate::job::JobId;
 
-/// Per-queue figures.
+/// Per-queue figures for people and alerts: [`Store::queue_stats`].
+///
+/// Everything here costs the same whatever history the table keeps (see
+/// [`Store::queue_stats`]), so a status page or an alert can poll it. Done and cancelled
+/// jobs are history and are not counted here: their rates are the attempt counters of
+/// every process ([`crate::metrics`], `leasehold_attempts_total` in Prometheus), and
+/// [`Store::job_counts`] counts every row when you need the census.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct QueueStats {
+    /// The queue.
     pub queue: String,
-    /// Jobs by state name.
+    /// Open and parked jobs by state: `pending`, `waiting`, `running`, `held` and `dead`
+    /// (a state with no job is absent).
     pub by_state: BTreeMap<String, i64>,
-    /// Seconds the oldest claimable (pending and due) job has waited.
+    /// Seconds the oldest claimable job has been due (its `available_at` passed); 0 when
+    /// none is due. The figure to alert on: work is waiting and nobody takes it.
     pub oldest_eligible_age_secs: f64,
-    /// Seconds since the oldest running job was claimed.
+    /// Seconds since the oldest running job was claimed; 0 when none runs.
     pub oldest_running_secs: f64,
-    /// Sum of attempts over open jobs (retries show up here).
-    pub open_attempts: i64,
-    /// Leases that expired and were taken back, ever (reacquisitions).
-    pub lease_expiries: i64,
+    /// Keys whose head is held, or dead with the default key policy: their later jobs
+    /// wait until an operator acts.
+    pub blocked_keys: i64,
+    /// Seconds the oldest job waiting behind a blocked key has been enqueued; 0 when
+    /// none waits.
+    pub blocked_oldest_waiting_secs: f64,
+    /// Leases that expired and were taken back by a reaper in the last
+    /// [`RECENT_EXPIRIES`]: a rising figure means handlers outlive their leases, or
+    /// processes die or stall.
+    pub recent_lease_expiries: i64,
 }
+
+/// The window of [`QueueStats::recent_lease_expiries`]: 15 minutes.
+pub const RECENT_EXPIRIES: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
 /// Per-queue gauges for the metrics endpoint: open and parked jobs only, so a scrape
 /// costs the same whatever history the table keeps.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct QueueGauges {
+    /// The queue.
     pub queue: String,
     /// Jobs by state, for `pending`, `waiting`, `running`, `held` and `dead` (states
     /// with no job are absent). `done` and `cancelled` are history: their rates are in
@@ -67,56 +86,8 @@ pub struct KeyBlock {
     pub waiting: i64,
 }
 
-impl Store {
-    /// Figures per queue.
-    pub async fn queue_stats(&self) -> Result<Vec<QueueStats>> {
-        let sql = self.schema().render(
-            "SELECT queue, state, count(*) AS n,
-                    coalesce(extract(epoch FROM now() - min(available_at)
-                        FILTER (WHERE state = 'pending' AND available_at <= now())), 0)::float8 AS eligible_age,
-                    coalesce(extract(epoch FROM now() - min(claimed_at)
-                        FILTER (WHERE state = 'running')), 0)::float8 AS running_age,
-                    coalesce(sum(attempts) FILTER (WHERE state IN ('pending', 'running', 'waiting', 'held')), 0)::int8 AS attempts
-             FROM {s}.jobs GROUP BY queue, state",
-        );
-        let rows = sqlx::query(&sql).fetch_all(self.pool()).await?;
-        let mut out: BTreeMap<String, QueueStats> = BTreeMap::new();
-        for r in rows {
-            let queue: String = r.try_get("queue")?;
-            let s = out.entry(queue.clone()).or_insert_with(|| QueueStats {
-                queue,
-                ..Default::default()
-            });
-            s.by_state.insert(r.try_get("state")?, r.try_get("n")?);
-            s.oldest_eligible_age_secs = s.oldest_eligible_age_secs.max(r.try_get("eligible_age")?);
-            s.oldest_running_secs = s.oldest_running_secs.max(r.try_get("running_age")?);
-            s.open_attempts += r.try_get::<i64, _>("attempts")?;
-        }
-        let exp_sql = self.schema().render(
-            "SELECT j.queue, count(*) FROM {s}.lease_expiries e JOIN {s}.jobs j ON j.id = e.job_id GROUP BY j.queue",
-        );
-        for (queue, n) in sqlx::query_as::<_, (String, i64)>(&exp_sql)
-            .fetch_all(self.pool())
-            .await?
-        {
-            if let Some(s) = out.get_mut(&queue) {
-                s.lease_expiries = n;
-            }
-        }
-        Ok(out.into_values().collect())
-    }
-
-    /// [`QueueGauges`] for every queue with an open or parked job, in one statement.
-    ///
-    /// Cost: each part reads one partial index (pending by queue, waiting by key,
-    /// running by lease, held and dead by queue) and, for running jobs and blocked keys,
-    /// their rows; so it is proportional to the open and parked jobs (pending, waiting,
-    /// running, held, dead), never to the done and cancelled history. A blocked key adds
-    /// one probe of the waiting index for its first waiter. At 10^5 pending jobs expect
-    /// tens of milliseconds: scrape every 15 s or more, not in a loop.
-    pub async fn queue_gauges(&self) -> Result<Vec<QueueGauges>> {
-        let sql = self.schema().render(
-            "SELECT queue, 'pending' AS part, count(*) AS n,
+/// The gauges' statement (see [`Store::queue_gauges`]).
+const GAUGES_SQL: &str = "SELECT queue, 'pending' AS part, count(*) AS n,
                     coalesce(extract(epoch FROM now() - min(available_at)
                         FILTER (WHERE available_at <= now())), 0)::float8 AS age
                FROM {s}.jobs WHERE state = 'pending' GROUP BY queue
@@ -140,8 +111,118 @@ impl Store {
                     ORDER BY w.key_seq LIMIT 1) w ON true
               WHERE h.state IN ('held', 'dead') AND h.job_key IS NOT NULL
                 AND (h.state = 'held' OR h.dead_blocks_key)
-              GROUP BY h.queue",
-        );
+              GROUP BY h.queue";
+
+/// Recent lease expiries per queue; `$1` is the window in seconds.
+///
+/// The job's queue through a scalar subquery: a probe of the primary key per
+/// recent expiry whatever the planner knows. As a join, a never-analyzed
+/// table got a hash of every job. OFFSET 0 keeps the subquery whole, so the
+/// probe runs once per expiry rather than once per use of its result.
+const RECENT_EXPIRIES_SQL: &str = "SELECT queue, count(*)
+               FROM (SELECT (SELECT j.queue FROM {s}.jobs j WHERE j.id = e.job_id) AS queue
+                       FROM {s}.lease_expiries e
+                      WHERE e.reaped_at > now() - make_interval(secs => $1)
+                     OFFSET 0) recent
+              WHERE queue IS NOT NULL
+              GROUP BY queue";
+
+impl Store {
+    /// [`QueueStats`] for every queue with an open or parked job, or a lease expiry in
+    /// the last [`RECENT_EXPIRIES`].
+    ///
+    /// Cost: the statement of [`Store::queue_gauges`] (the open and parked jobs' partial
+    /// indexes, never the done history) and one range of the lease-expiry record by time
+    /// (migration 5), each recent expiry joined to its job by primary key. At 10^6 done
+    /// and 10^5 pending jobs it stays in tens of milliseconds on a table that was never
+    /// analyzed (`cargo run --release -p leasehold-bench -- --only stats` measures it).
+    pub async fn queue_stats(&self) -> Result<Vec<QueueStats>> {
+        let mut out: BTreeMap<String, QueueStats> = self
+            .queue_gauges()
+            .await?
+            .into_iter()
+            .map(|g| {
+                let stats = QueueStats {
+                    queue: g.queue.clone(),
+                    by_state: g.by_state,
+                    oldest_eligible_age_secs: g.oldest_eligible_secs,
+                    oldest_running_secs: g.oldest_running_secs,
+                    blocked_keys: g.blocked_keys,
+                    blocked_oldest_waiting_secs: g.blocked_oldest_waiting_secs,
+                    recent_lease_expiries: 0,
+                };
+                (g.queue, stats)
+            })
+            .collect();
+        let sql = self.schema().render(RECENT_EXPIRIES_SQL);
+        for (queue, n) in sqlx::query_as::<_, (String, i64)>(&sql)
+            .bind(RECENT_EXPIRIES.as_secs_f64())
+            .fetch_all(self.pool())
+            .await?
+        {
+            out.entry(queue.clone())
+                .or_insert_with(|| QueueStats {
+                    queue,
+                    ..Default::default()
+                })
+                .recent_lease_expiries = n;
+        }
+        Ok(out.into_values().collect())
+    }
+
+    /// `EXPLAIN (ANALYZE, BUFFERS)` of the two statements [`Store::queue_stats`] runs,
+    /// for operators checking on their own table that it reads indexes and not the
+    /// history.
+    pub async fn explain_queue_stats(&self) -> Result<String> {
+        let mut out = String::new();
+        for (name, sql, window) in [
+            ("per-queue gauges", GAUGES_SQL, None),
+            (
+                "recent lease expiries",
+                RECENT_EXPIRIES_SQL,
+                Some(RECENT_EXPIRIES.as_secs_f64()),
+            ),
+        ] {
+            let sql = format!("EXPLAIN (ANALYZE, BUFFERS) {}", self.schema().render(sql));
+            let mut query = sqlx::query_scalar::<_, String>(&sql);
+            if let Some(w) = window {
+                query = query.bind(w);
+            }
+            let lines = query.fetch_all(self.pool()).await?;
+            out.push_str(&format!("-- {name}\n{}\n", lines.join("\n")));
+        }
+        Ok(out)
+    }
+
+    /// Every job counted by queue and state, done and cancelled history included: a
+    /// census for scripts, demos and tests.
+    ///
+    /// Cost: a scan of the whole jobs table (at 10^6 rows, hundreds of milliseconds).
+    /// Do not poll it; [`Store::queue_stats`] is the cheap figure.
+    pub async fn job_counts(&self) -> Result<BTreeMap<String, BTreeMap<String, i64>>> {
+        let sql = self
+            .schema()
+            .render("SELECT queue, state, count(*) FROM {s}.jobs GROUP BY queue, state");
+        let mut out: BTreeMap<String, BTreeMap<String, i64>> = BTreeMap::new();
+        for (queue, state, n) in sqlx::query_as::<_, (String, String, i64)>(&sql)
+            .fetch_all(self.pool())
+            .await?
+        {
+            out.entry(queue).or_default().insert(state, n);
+        }
+        Ok(out)
+    }
+
+    /// [`QueueGauges`] for every queue with an open or parked job, in one statement.
+    ///
+    /// Cost: each part reads one partial index (pending by queue, waiting by key,
+    /// running by lease, held and dead by queue) and, for running jobs and blocked keys,
+    /// their rows; so it is proportional to the open and parked jobs (pending, waiting,
+    /// running, held, dead), never to the done and cancelled history. A blocked key adds
+    /// one probe of the waiting index for its first waiter. At 10^5 pending jobs expect
+    /// tens of milliseconds: scrape every 15 s or more, not in a loop.
+    pub async fn queue_gauges(&self) -> Result<Vec<QueueGauges>> {
+        let sql = self.schema().render(GAUGES_SQL);
         let rows = sqlx::query(&sql).fetch_all(self.pool()).await?;
         let mut out: BTreeMap<String, QueueGauges> = BTreeMap::new();
         for r in rows {
