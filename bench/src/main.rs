@@ -1,15 +1,15 @@
 //! leasehold against the raw-SQL ceiling: throughput, enqueue, latency, keyed work,
 //! table growth and memory, in one run.
 //!
-//!     cargo run --release --example bench              # the full run (under 10 minutes)
-//!     cargo run --release --example bench -- --json    # the same, as JSON on stdout
-//!     cargo run --release --example bench -- --quick   # smaller sizes, a smoke run (targets not judged)
+//!     cargo run --release -p leasehold-bench              # the full run (under 10 minutes)
+//!     cargo run --release -p leasehold-bench -- --json    # the same, as JSON on stdout
+//!     cargo run --release -p leasehold-bench -- --quick   # smaller sizes, a smoke run (targets not judged)
 //!
 //! Other flags: `--runs N` (default 3; every figure is the median of N runs, printed
-//! with the spread), `--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,peer`
+//! with the spread), `--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,peer`
 //! (`micro`: a statement-cost diagnostic; `peer`: graphile_worker, the fastest peer, with its
 //! documented throughput recipe, each figure right after leasehold's matching run — unkeyed
-//! at concurrency 1 and 32, keyed, idle latency — see `bench/peer.rs`),
+//! at concurrency 1 and 32, keyed, idle latency — see `bench/src/peer.rs`),
 //! `--pool N` (connections of the scheduler's pool, default 24), `--history` (write the
 //! `claimed`/`completed` history events, `StoreOptions::full_history`).
 //!
@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
-#[path = "shared/log.rs"]
+#[path = "../../examples/shared/log.rs"]
 mod log;
 
 /// Progress goes to stderr; the table (or JSON) to stdout.
@@ -41,23 +41,15 @@ thread_local! {
     static START: Instant = Instant::now();
 }
 
-#[path = "bench/footprint.rs"]
 mod footprint;
-#[path = "bench/handlers.rs"]
 mod handlers;
-#[path = "bench/latency.rs"]
 mod latency;
-#[path = "bench/notify.rs"]
 mod notify;
-#[path = "bench/peer.rs"]
 mod peer;
-#[path = "bench/report.rs"]
 mod report;
-#[path = "bench/sections.rs"]
 mod sections;
-#[path = "bench/setup.rs"]
 mod setup;
-#[path = "bench/throughput.rs"]
+mod stats;
 mod throughput;
 
 use sections::{Run, Sizes};
@@ -113,7 +105,7 @@ fn args() -> Args {
 }
 
 const HELP: &str = "usage: bench [--json] [--quick] [--runs N] [--pool N] [--history] \
-[--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,peer]";
+[--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,peer]";
 
 #[actix::main]
 async fn main() {
@@ -193,6 +185,9 @@ async fn main() {
     }
     if want("memory") {
         run.memory().await;
+    }
+    if want("stats") {
+        run.stats().await;
     }
 
     if a.quick {

@@ -28,6 +28,8 @@ pub struct Sizes {
     pub memory_keys: u64,
     pub fresh_jobs: u64,
     pub cpu_jobs: u64,
+    /// (done, pending) rows of the operator-figures section.
+    pub stats_rows: (i64, i64),
 }
 
 impl Sizes {
@@ -51,6 +53,7 @@ impl Sizes {
                 memory_keys: 2_000,
                 fresh_jobs: 5_000,
                 cpu_jobs: 500,
+                stats_rows: (100_000, 10_000),
             }
         } else {
             Sizes {
@@ -71,6 +74,7 @@ impl Sizes {
                 memory_keys: 10_000,
                 fresh_jobs: 20_000,
                 cpu_jobs: 3_000,
+                stats_rows: (1_000_000, 100_000),
             }
         }
     }
