@@ -209,3 +209,58 @@ async fn queue_stats_count_recent_lease_expiries_and_never_scan_a_never_analyzed
     })
     .await
 }
+
+#[tokio::test]
+async fn oldest_eligible_is_the_earliest_due_job_across_priority_levels() {
+    bounded(async {
+        let db = TestDb::new("gauges_levels").await;
+        let ago = |mins: i64| chrono::Utc::now() - chrono::Duration::minutes(mins);
+        let ahead = chrono::Utc::now() + chrono::Duration::hours(1);
+        // Queue a: the earliest head of one level is not due; another level's head is
+        // due 10 minutes ago, a third's 3 minutes ago.
+        for (priority, at) in [(-5, ahead), (0, ago(3)), (7, ago(10)), (7, ahead)] {
+            db.store
+                .enqueue(job("k").with_queue("a").with_priority(priority).with_run_at(at))
+                .await
+                .unwrap();
+        }
+        // Queue b: nothing due at any level.
+        for priority in [1, 2] {
+            db.store
+                .enqueue(job("k").with_queue("b").with_priority(priority).with_run_at(ahead))
+                .await
+                .unwrap();
+        }
+        // Queue c: waiting jobs only (a keyed head, held, with two behind it).
+        let head = db
+            .store
+            .enqueue(job("k").with_queue("c").with_key("acct"))
+            .await
+            .unwrap();
+        db.store.hold(head).await.unwrap();
+        for _ in 0..2 {
+            db.store
+                .enqueue(job("k").with_queue("c").with_key("acct"))
+                .await
+                .unwrap();
+        }
+
+        let gauges = db.store.queue_gauges().await.unwrap();
+        let a = of(&gauges, "a");
+        assert_eq!(a.by_state.get("pending"), Some(&4));
+        assert!(
+            (595.0..660.0).contains(&a.oldest_eligible_secs),
+            "the job due 10 minutes ago, whatever its level: {a:?}"
+        );
+        let b = of(&gauges, "b");
+        assert_eq!(b.by_state.get("pending"), Some(&2));
+        assert_eq!(b.oldest_eligible_secs, 0.0, "nothing is due: {b:?}");
+        let c = of(&gauges, "c");
+        assert_eq!(c.by_state.get("waiting"), Some(&2));
+        assert_eq!(c.by_state.get("held"), Some(&1));
+        assert_eq!(c.blocked_keys, 1);
+        assert_eq!(c.by_state.get("pending"), None);
+        db.drop().await;
+    })
+    .await
+}
