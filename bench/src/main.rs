@@ -243,7 +243,7 @@ async fn main() {
     if let Some(p) = &run.peer {
         let d = p.describe();
         println!(
-            "peer: graphile_worker {} (dev-dependency of the bench), its documented throughput \
+            "peer: graphile_worker {} (a dependency of the bench crate only), its documented throughput \
              recipe: local_queue size {} (ttl {} ms), complete/fail_job_batch_delay {} ms, \
              poll_interval {} ms; its own pool of {} connections (its sqlx 0.9) and tokio \
              multi-thread runtime; schema {}; loaded with {}",
