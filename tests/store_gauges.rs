@@ -220,14 +220,24 @@ async fn oldest_eligible_is_the_earliest_due_job_across_priority_levels() {
         // due 10 minutes ago, a third's 3 minutes ago.
         for (priority, at) in [(-5, ahead), (0, ago(3)), (7, ago(10)), (7, ahead)] {
             db.store
-                .enqueue(job("k").with_queue("a").with_priority(priority).with_run_at(at))
+                .enqueue(
+                    job("k")
+                        .with_queue("a")
+                        .with_priority(priority)
+                        .with_run_at(at),
+                )
                 .await
                 .unwrap();
         }
         // Queue b: nothing due at any level.
         for priority in [1, 2] {
             db.store
-                .enqueue(job("k").with_queue("b").with_priority(priority).with_run_at(ahead))
+                .enqueue(
+                    job("k")
+                        .with_queue("b")
+                        .with_priority(priority)
+                        .with_run_at(ahead),
+                )
                 .await
                 .unwrap();
         }
