@@ -86,6 +86,16 @@ pub struct KeyBlock {
     pub waiting: i64,
 }
 
+/// The condition under which the job `h` blocks its key: a keyed head that is held, or
+/// dead under the default key policy. One text for the gauges' count and
+/// [`Store::blocked_keys`]' list, so the two never disagree on what is blocked.
+macro_rules! blocks_its_key {
+    () => {
+        "h.state IN ('held', 'dead') AND h.job_key IS NOT NULL \
+         AND (h.state = 'held' OR h.dead_blocks_key)"
+    };
+}
+
 /// The gauges' statement (see [`Store::queue_gauges`]).
 ///
 /// Pending and waiting jobs can be many (10^5 and more in a backlog), so they are counted
@@ -94,7 +104,8 @@ pub struct KeyBlock {
 /// and the oldest eligible job is the earliest head of each priority level (one probe
 /// per level) instead of a minimum over every pending row. On a never-analyzed table
 /// with 10^5 pending rows this halved the statement against `GROUP BY queue`.
-const GAUGES_SQL: &str = "WITH RECURSIVE pending_queues AS (
+const GAUGES_SQL: &str = concat!(
+    "WITH RECURSIVE pending_queues AS (
     (SELECT j.queue FROM {s}.jobs j WHERE j.state = 'pending' ORDER BY j.queue LIMIT 1)
   UNION ALL
     SELECT (SELECT j.queue FROM {s}.jobs j
@@ -146,9 +157,10 @@ SELECT h.queue, 'blocked', count(*),
       SELECT w.created_at FROM {s}.jobs w
        WHERE w.queue = h.queue AND w.job_key = h.job_key AND w.state = 'waiting'
        ORDER BY w.key_seq LIMIT 1) w ON true
- WHERE h.state IN ('held', 'dead') AND h.job_key IS NOT NULL
-   AND (h.state = 'held' OR h.dead_blocks_key)
- GROUP BY h.queue";
+ WHERE ",
+    blocks_its_key!(),
+    " GROUP BY h.queue"
+);
 
 /// Run before the gauges, in their transaction. Without statistics the planner's
 /// estimates for the loose scans are large enough to pass `jit_above_cost` (on by
@@ -301,7 +313,7 @@ impl Store {
 
     /// Keys blocked by a dead or held head, with the number of jobs waiting behind it.
     pub async fn blocked_keys(&self, limit: i64) -> Result<Vec<KeyBlock>> {
-        let sql = self.schema().render(
+        let sql = self.schema().render(concat!(
             "SELECT h.id, h.queue, h.job_key, h.state,
                     CASE WHEN h.state = 'dead' THEN h.last_error ELSE hold.detail END AS reason,
                     CASE WHEN h.state = 'dead' THEN h.finished_at ELSE hold.at END AS since,
@@ -312,10 +324,10 @@ impl Store {
                  SELECT e.at, e.detail FROM {s}.job_events e
                  WHERE e.job_id = h.id AND e.event = 'held' ORDER BY e.id DESC LIMIT 1
              ) hold ON h.state = 'held'
-             WHERE h.job_key IS NOT NULL AND h.state IN ('dead', 'held')
-               AND (h.state = 'held' OR h.dead_blocks_key)
-             ORDER BY h.id LIMIT $1",
-        );
+             WHERE ",
+            blocks_its_key!(),
+            " ORDER BY h.id LIMIT $1"
+        ));
         let rows = sqlx::query(&sql).bind(limit).fetch_all(self.pool()).await?;
         rows.iter()
             .map(|r| {
