@@ -10,11 +10,16 @@
 //! attempts), `--lease N` (ticks); budgets `--crashes N --pauses N --failures N
 //! --shutdowns N --lost-replies N --faults N` (faults of any kind in all)
 //! `--cancels N --holds N --retries N --prunes N --operator N` (operator actions in all);
-//! `--quiet` (all budgets 0; give it before the budget flags); `--no-liveness`; `--store dedup|fenced`;
-//! `--defect NAME` (repeatable: renewal-waits, registry-from-start, cancel-promotes,
-//! prune-dead, prune-key-rows, no-deadline, promote-now, old-lock-order,
-//! ahead-not-renewed, give-back-keeps); `--threads N`; `--max-states N` (stop after about N
-//! states); `--shortest` (breadth first, stop at the first failure).
+//! `--quiet` (all budgets 0; give it before the budget flags); `--no-liveness` (safety only,
+//! on stateright's depth-first checker with `--threads`, keeping no state graph); `--store
+//! dedup|fenced`; `--defect NAME` (repeatable: renewal-waits, registry-from-start,
+//! cancel-promotes, prune-dead, prune-key-rows, no-deadline, promote-now, old-lock-order,
+//! ahead-not-renewed, give-back-keeps, reap-never-requeues); `--threads N`; `--max-states
+//! N` (stop after about N states; liveness is then not checked); `--shortest` (the shortest
+//! counterexample of a safety property, breadth first, on stateright's checker).
+//!
+//! With liveness (the default) the check runs on one thread and keeps the fault-free
+//! state graph (a few dozen bytes a state) for the fair-cycle check.
 //!
 //! Exit status 1 when a property fails, with its trace.
 
@@ -96,6 +101,7 @@ fn main() {
                     Some("old-lock-order") => d.job_row_before_key_row = true,
                     Some("ahead-not-renewed") => d.ahead_not_renewed = true,
                     Some("give-back-keeps") => d.give_back_error_keeps_jobs = true,
+                    Some("reap-never-requeues") => d.reap_never_requeues = true,
                     _ => usage(&flag),
                 }
             }
@@ -120,6 +126,9 @@ fn main() {
         out.elapsed,
         out.states as f64 / out.elapsed.as_secs_f64()
     );
+    if let Some(l) = &out.liveness {
+        println!("fair liveness: {}", l.summary());
+    }
     for f in &out.failures {
         println!("FAILED: {} ({} steps)\n{}", f.property, f.steps, f.trace);
     }

@@ -17,39 +17,52 @@
 //! (jobs claimed beyond the free slots, the give-back after a lease, the release at
 //! shutdown, a give-back whose reply is lost) in its own smaller configuration; two
 //! defect tests show what breaks when a job claimed ahead is not renewed, and when a
-//! give-back whose reply was lost keeps its jobs (what src/actor/dispatch.rs does today).
+//! give-back whose reply was lost keeps its jobs to start (what src/actor/dispatch.rs did
+//! before it was fixed).
+//!
+//! # Liveness
+//! Every exhaustive check also checks liveness under weak fairness (`tests/model/
+//! liveness.rs`): once faults stop, no fair path avoids the settled states. A failure is
+//! printed as the path to a fair cycle and the cycle. `reaper_that_never_requeues_...`
+//! shows one on a defect no safety property sees; the toy-graph test shows the cycle test
+//! itself telling a fair cycle from one that starves a step.
 //!
 //! # Time
-//! About 250 s in a debug build on 2 busy cores: the bounded check (54 s alone, ~170 s
-//! beside the other) and the
-//! fencing-store check (~250 s) run in parallel and dominate.
+//! About 33 s in a debug build on 2 quiet cores: the bounded check (1,772,416 states,
+//! 32 s) and the fencing-store check (1,367,070 states, 23 s) run in parallel, one thread
+//! each, and dominate; the rest take about 2 s together.
 
 mod model;
 
 use model::config::{EffectStore, JobSpec};
+use model::liveness::{fair_trap, Graph};
 use model::properties::{
-    CAN_END, CURRENT_NOT_FENCED, EFFECT_ONCE, HEALTHY_KEEPS_LEASES, NO_OVERLAP, NO_STRANDED_KEY,
+    CURRENT_NOT_FENCED, EFFECT_ONCE, FAIR_END, HEALTHY_KEEPS_LEASES, NO_OVERLAP, NO_STRANDED_KEY,
     START_ORDER, START_UNDER_LEASE,
 };
 use model::state::Budget;
-use model::{counterexamples_of, explore, Config, Explored};
+use model::{counterexamples_of, explore, Config, Explored, Found};
 
-/// Unique states the bounded check must reach at least (it reached 680,734 when this
-/// was written): a model change that silently cuts the exploration short fails here.
-const BOUNDED_FLOOR: usize = 620_000;
+/// Unique states the bounded check must reach at least (it reached 1,772,416 when this
+/// was written; 680,734 with 1 slot per process, which it checked before the exploration
+/// became one pass): a model change that silently cuts the exploration short fails here.
+const BOUNDED_FLOOR: usize = 1_600_000;
 
 fn report(what: &str, out: &Explored) {
     println!(
         "{what}: {} states generated, {} unique (up to process renaming), depth {}, {:.1?}",
         out.states, out.unique, out.depth, out.elapsed
     );
+    if let Some(l) = &out.liveness {
+        println!("  fair liveness: {}", l.summary());
+    }
     for f in &out.failures {
         println!("FAILED: {} ({} steps)\n{}", f.property, f.steps, f.trace);
     }
 }
 
 fn assert_holds(what: &str, cfg: Config) -> Explored {
-    let out = explore(cfg, 2);
+    let out = explore(cfg);
     report(what, &out);
     assert!(
         out.failures.is_empty(),
@@ -59,31 +72,44 @@ fn assert_holds(what: &str, cfg: Config) -> Explored {
 }
 
 /// `fixed` keeps every property; with `switch` applied, each of `properties` breaks.
-/// Prints each counterexample.
+/// Prints each counterexample, and returns every failure found: the shortest safety
+/// counterexamples (stateright's breadth-first search), and when `properties` has
+/// [`FAIR_END`], every failure of the exhaustive check.
 fn assert_found(
     what: &str,
     fixed: Config,
     switch: impl FnOnce(&mut Config),
     properties: &[&'static str],
-) {
+) -> Vec<Found> {
     assert_holds(&format!("{what}, hardened"), fixed.clone());
     let mut broken = fixed;
     switch(&mut broken);
-    let out = counterexamples_of(broken, properties, 2);
-    println!(
-        "{what}, old behaviour: searched {} states in {:.1?}",
-        out.states, out.elapsed
-    );
+    let (live, safety): (Vec<&'static str>, Vec<&'static str>) =
+        properties.iter().partition(|p| **p == FAIR_END);
+    let mut found = Vec::new();
+    for out in [
+        (!safety.is_empty()).then(|| counterexamples_of(broken.clone(), &safety, 2)),
+        (!live.is_empty()).then(|| explore(broken)),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        println!(
+            "{what}, old behaviour: searched {} states in {:.1?}",
+            out.states, out.elapsed
+        );
+        found.extend(out.failures);
+    }
     for property in properties {
-        let found = out.failures.iter().find(|f| f.property == *property);
-        let Some(found) = found else {
+        let Some(f) = found.iter().find(|f| f.property == *property) else {
             panic!("{what}: no counterexample to {property:?}");
         };
         println!(
             "counterexample to {property:?}, {} steps:\n{}",
-            found.steps, found.trace
+            f.steps, f.trace
         );
     }
+    found
 }
 
 fn on_one_key(jobs: usize) -> Config {
@@ -93,21 +119,11 @@ fn on_one_key(jobs: usize) -> Config {
     cfg
 }
 
-/// The bounded configuration with 1 slot per process: with 2 slots (chained successors
-/// waiting in the ready queue, each aging towards its give-back) the state space is
-/// about 5.7 million states, beyond this file's time budget. Chaining with a spare slot
-/// is checked by the smaller configurations of the defect tests below.
-fn bounded_one_slot() -> Config {
-    let mut cfg = Config::bounded();
-    cfg.slots = 1;
-    cfg
-}
-
 #[test]
 fn hardened_design_keeps_every_property_in_the_bounded_configuration() {
     let out = assert_holds(
-        "bounded: 3 jobs on 2 keys, 2 processes of 1 slot",
-        bounded_one_slot(),
+        "bounded: 3 jobs on 2 keys, 2 processes of 2 slots",
+        Config::bounded(),
     );
     assert!(
         out.unique >= BOUNDED_FLOOR,
@@ -182,7 +198,7 @@ fn prune_that_deletes_a_dead_head_strands_its_key() {
         "prune deletes dead rows",
         cfg,
         switch,
-        &[NO_STRANDED_KEY, CAN_END],
+        &[NO_STRANDED_KEY, FAIR_END],
     );
 }
 
@@ -297,7 +313,7 @@ fn job_claimed_ahead_and_not_renewed_while_it_waits_is_reaped_from_a_healthy_pro
 #[test]
 fn give_back_whose_reply_is_lost_must_not_keep_the_jobs_waiting() {
     // RELEASE committed (the job is pending, anyone may claim it) but its reply was
-    // lost: src/actor/dispatch.rs `release_ready` puts such jobs back in the ready
+    // lost: src/actor/dispatch.rs `release_ready` used to put such jobs back in the ready
     // queue, and a slot that frees starts one before the next renewal tells it the
     // lease is gone: a handler without a lease.
     let quiet = claim_ahead_quiet();
@@ -315,4 +331,56 @@ fn give_back_whose_reply_is_lost_must_not_keep_the_jobs_waiting() {
         |c| c.defects.give_back_error_keeps_jobs = true,
         &[START_UNDER_LEASE],
     );
+}
+
+#[test]
+fn reaper_that_never_requeues_leaves_a_crashed_owners_job_running_forever() {
+    // The owner crashes mid-job. Hardened, the reaper puts the job back and the other
+    // process runs it. A reaper that re-leases expired rows instead breaks no safety
+    // property (the row is running under a live lease, the key has its head), yet the
+    // job never ends: the fair cycle is the clock going round the re-leased lease.
+    let mut cfg = on_one_key(2);
+    cfg.budget.crashes = 1;
+    cfg.budget.faults = 1;
+    let found = assert_found(
+        "reaper never requeues",
+        cfg,
+        |c| c.defects.reap_never_requeues = true,
+        &[FAIR_END],
+    );
+    for f in &found {
+        assert_eq!(
+            f.property, FAIR_END,
+            "a safety property failed:\n{}",
+            f.trace
+        );
+        assert!(f.cycle > 0, "expected a fair cycle, not a stuck state");
+    }
+}
+
+/// A toy graph: states 0 and 1 go round by class 1; class 2 leads from 0, and from 1 if
+/// `leave_from_1`, to state 2, which is settled.
+fn toy(leave_from_1: bool) -> Graph {
+    let mut edges = vec![(1, 1), (2, 2), (0, 1)];
+    if leave_from_1 {
+        edges.push((2, 2));
+    }
+    Graph {
+        offsets: vec![0, 2, edges.len() as u32, edges.len() as u32],
+        edges,
+        settled: vec![false, false, true],
+    }
+}
+
+#[test]
+fn fair_cycle_check_counts_only_cycles_that_take_every_step_enabled_all_along_them() {
+    // Class 2 is enabled in both states of the cycle and never taken in it: unfair.
+    let (census, trap) = fair_trap(&toy(true));
+    assert_eq!((census.non_settled, census.cycles), (2, 1));
+    assert!(trap.is_none(), "a cycle that starves class 2 is not fair");
+    // Class 2 is disabled in state 1: going round forever is fair, and never settles.
+    let (_, trap) = fair_trap(&toy(false));
+    let trap = trap.expect("a fair cycle");
+    assert!(trap.cycle);
+    assert_eq!(trap.states, [0, 1]);
 }

@@ -100,42 +100,17 @@ impl Action {
             Prune => ("operator".into(), "admin.rs prune (retention)"),
         }
     }
-
-    /// Faults and operator decisions: what the liveness check leaves out.
-    pub fn is_fault_or_operator(&self) -> bool {
-        use Action::*;
-        matches!(
-            self,
-            Crash(_)
-                | Pause(_)
-                | Shutdown(_)
-                | GiveBack(_, true)
-                | Start(.., true)
-                | Cancel(_)
-                | Hold(_)
-                | ReleaseHold(_)
-                | RetryDead(_)
-                | Prune
-                | HostEnqueue
-                | HostRollback
-        )
-    }
 }
 
-/// The checked system: a configuration, and the liveness memo shared by the checker's
-/// threads.
+/// The checked system: a configuration.
 pub struct Leasehold {
     pub cfg: Config,
-    pub live: properties::LivenessMemo,
 }
 
 impl Leasehold {
     pub fn new(cfg: Config) -> Self {
         cfg.validate().expect("a valid model configuration");
-        Leasehold {
-            cfg,
-            live: Default::default(),
-        }
+        Leasehold { cfg }
     }
 
     /// Every step enabled in `s`, in a fixed order.

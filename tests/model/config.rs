@@ -77,6 +77,11 @@ pub struct Defects {
     /// the ready queue, as if still held (the `Err` arm of dispatch.rs `release_ready`
     /// for `older_than: Some(_)`). Hardened: they are dropped (their leases tell).
     pub give_back_error_keeps_jobs: bool,
+    /// A reaper that never requeues: REAP records the expiry and leases the row again to
+    /// its owner instead of putting it back (as a reaper that trusts owners to be alive
+    /// would). No safety property sees it (the row is running under a live lease);
+    /// liveness does: a crashed owner's job is re-leased forever and never ends.
+    pub reap_never_requeues: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -100,7 +105,7 @@ pub struct Config {
     /// Also claim at-most-once effects from the fencing store (a negative control: it
     /// does not deduplicate, so this is expected to fail).
     pub fenced_store_claims_once: bool,
-    /// Check liveness (the crash-free drain from every state).
+    /// Check liveness under fairness (keeps the state graph; see `super::liveness`).
     pub liveness: bool,
 }
 

@@ -257,6 +257,10 @@ impl State {
         if healthy {
             self.ghost.broken |= broken::HEALTHY_LEASE_LOST;
         }
+        if cfg.defects.reap_never_requeues {
+            self.rows[job as usize].lease_left = cfg.lease;
+            return;
+        }
         if key_busy {
             self.reaping.push((job, to));
             self.reaping.sort();

@@ -24,7 +24,7 @@
 //!
 //! # What is abstracted, and why
 //! Each of these keeps the state space small enough to be exhausted in `cargo test`
-//! (about 0.7 million states for 3 jobs, 2 keys, 2 processes of 1 slot) without removing an
+//! (about 1.8 million states for 3 jobs, 2 keys, 2 processes of 2 slots) without removing an
 //! interleaving that a property depends on:
 //! - Time is relative ([`state`]): deadlines are "ticks left", clamped where smaller
 //!   values behave alike, so the clock runs forever in a finite space. Lease 2 ticks,
@@ -64,9 +64,15 @@
 //! in key_seq order and only under a live lease; no stale generation's write is
 //! accepted; no job lost; no key stranded; a healthy process keeps its leases; no
 //! effect applied twice per effect key (deduplicating store), or the current attempt
-//! never fenced off (fencing store); and from every state, a crash-free path on which
-//! every job ends (or waits for an operator). That last one is "AG EF settled" along a
-//! fixed schedule, not "every fair path settles" (see [`properties`]).
+//! never fenced off (fencing store). And liveness under weak fairness ([`liveness`]):
+//! once faults stop, every fair path ends every job (or leaves it to an operator).
+//!
+//! # How it is checked
+//! [`explore`] walks every reachable state once, breadth first ([`explorer`]): each
+//! state is checked against the safety properties, and the fault-free steps between
+//! states are kept as a graph in which no fair cycle may avoid the settled states.
+//! [`counterexamples_of`] runs stateright's breadth-first checker for the shortest
+//! counterexample of a safety property.
 //!
 //! # Defects
 //! [`config::Defects`]: each switch puts one known old behaviour back;
@@ -78,6 +84,8 @@
 pub mod actions;
 pub mod config;
 pub mod db;
+pub mod explorer;
+pub mod liveness;
 pub mod process;
 pub mod properties;
 pub mod state;
@@ -98,6 +106,8 @@ pub struct Found {
     pub property: &'static str,
     /// Steps from the initial state to the failing state.
     pub steps: usize,
+    /// Of those, the steps of a fair cycle that repeats forever (liveness; 0 otherwise).
+    pub cycle: usize,
     pub trace: String,
 }
 
@@ -109,16 +119,23 @@ pub struct Explored {
     pub depth: usize,
     pub elapsed: Duration,
     pub failures: Vec<Found>,
+    /// What the fair-cycle check looked at (`None`: not checked).
+    pub liveness: Option<liveness::Census>,
 }
 
-/// Every reachable state (up to process renaming), depth first on `threads` threads.
-pub fn explore(cfg: Config, threads: usize) -> Explored {
-    explore_up_to(cfg, threads, 0, false)
+/// Every reachable state (up to process renaming): the safety properties, and liveness
+/// under fairness when the configuration asks for it ([`explorer`], one thread).
+pub fn explore(cfg: Config) -> Explored {
+    explore_up_to(cfg, 1, 0, false)
 }
 
-/// [`explore`], stopping after about `max_states` generated states (0: no limit);
-/// `progress`: print the counts every 10 seconds.
+/// [`explore`], stopping after about `max_states` states (0: no limit; liveness is then
+/// not checked); `progress`: print the counts every 10 seconds. Without liveness it runs
+/// stateright's depth-first checker on `threads` threads, which keeps no graph.
 pub fn explore_up_to(cfg: Config, threads: usize, max_states: usize, progress: bool) -> Explored {
+    if cfg.liveness {
+        return explorer::explore(&Leasehold::new(cfg), max_states, progress);
+    }
     let started = Instant::now();
     let mut builder = Leasehold::new(cfg)
         .checker()
@@ -209,23 +226,11 @@ fn finish(checker: impl Checker<Leasehold>, started: Instant) -> Explored {
             if let Some(at) = steps.iter().position(|(_, st)| !holds(m, st)) {
                 steps.truncate(at + 1);
             }
-            let mut trace = trace::render(m, &first, &steps);
-            if property == properties::CAN_END {
-                let last = steps.last().map_or(&first, |(_, s)| s).clone();
-                if let Err(rest) = properties::drain(m, &last) {
-                    if rest.is_empty() {
-                        trace.push_str(
-                            "  then no step but a fault or an operator action can move it\n",
-                        );
-                    } else {
-                        trace.push_str("  then the crash-free schedule gets stuck:\n");
-                        trace.push_str(&trace::render(m, &last, &rest));
-                    }
-                }
-            }
+            let trace = trace::render(m, &first, &steps);
             Found {
                 property,
                 steps: steps.len(),
+                cycle: 0,
                 trace,
             }
         })
@@ -237,5 +242,6 @@ fn finish(checker: impl Checker<Leasehold>, started: Instant) -> Explored {
         depth: checker.max_depth(),
         elapsed: started.elapsed(),
         failures,
+        liveness: None,
     }
 }

@@ -7,22 +7,12 @@
 //! write accepted, a healthy process's lease reaped, the current attempt fenced off).
 //!
 //! # Liveness
-//! stateright's `eventually` only sees paths that end, and this model's paths loop (a
-//! tick that changes nothing, a claim that finds nothing). So liveness is checked as a
-//! safety property instead: from every reachable state, a crash-free completion path
-//! exists. [`drain`] follows one fixed fair schedule (no fault, no operator action, the
-//! host transaction commits, faults heal, time advances only when nothing else can
-//! move) and must reach a settled state: every job done, dead, cancelled or pruned, or
-//! waiting for an operator (held, or behind a held or blocking dead head). That a fixed
-//! schedule works is stronger than "some path exists". States proved this way are
-//! remembered, so each drain usually stops after a few steps at a known state.
+//! Not a state predicate: [`super::liveness`] checks that once faults stop, every fair
+//! path reaches a [`settled`] state; its counterexample is reported as [`FAIR_END`].
 
-use std::hash::{Hash, Hasher};
-
-use dashmap::DashSet;
 use stateright::Property;
 
-use super::actions::{Action, Leasehold};
+use super::actions::Leasehold;
 use super::config::{Config, EffectStore};
 use super::state::{broken, JobState, Phase, State, Up};
 
@@ -35,7 +25,7 @@ pub const NO_STRANDED_KEY: &str = "no key is stranded";
 pub const HEALTHY_KEEPS_LEASES: &str = "a healthy process keeps its leases";
 pub const EFFECT_ONCE: &str = "no effect is applied twice per effect key";
 pub const CURRENT_NOT_FENCED: &str = "the fencing store never refuses the current attempt";
-pub const CAN_END: &str = "every job can still end without another fault";
+pub const FAIR_END: &str = "once faults stop, every fair path ends every job";
 
 fn intact(s: &State, bit: u8) -> bool {
     s.ghost.broken & bit == 0
@@ -71,11 +61,6 @@ pub fn all(cfg: &Config) -> Vec<Property<Leasehold>> {
     if cfg.store == EffectStore::Fenced {
         v.push(Property::always(CURRENT_NOT_FENCED, |_, s: &State| {
             intact(s, broken::CURRENT_REFUSED)
-        }));
-    }
-    if cfg.liveness {
-        v.push(Property::always(CAN_END, |m: &Leasehold, s: &State| {
-            m.live.proved(m, s)
         }));
     }
     v
@@ -133,7 +118,9 @@ fn no_stranded_key(cfg: &Config, s: &State) -> bool {
     })
 }
 
-/// Nothing left that the system itself must move on.
+/// Nothing left that the system itself must move on: no host transaction open, and
+/// every job done, dead, cancelled or pruned, held, not enqueued (the host has not begun,
+/// or rolled back), or waiting behind a held or blocking dead job of its key.
 pub fn settled(cfg: &Config, s: &State) -> bool {
     if s.host == super::state::Host::Open {
         return false;
@@ -148,73 +135,4 @@ pub fn settled(cfg: &Config, s: &State) -> bool {
         }),
         _ => false,
     })
-}
-
-/// The drain's schedule: heal faults and finish what is in flight first; claim and
-/// start work; reap; and only then let time pass.
-fn rank(a: &Action) -> u8 {
-    use Action::*;
-    match a {
-        Unpause(_) => 0,
-        HostCommit => 1,
-        Resume(..) | ResumeReap(_) | RenewResume(_) => 2,
-        Deliver(_) => 3,
-        Record(..) => 4,
-        End(..) => 5,
-        Start(..) => 6,
-        Claim(_) | GiveBack(_, false) => 7,
-        _ => 10,
-    }
-}
-
-pub const DRAIN_LIMIT: usize = 400;
-
-/// Follow the drain's schedule from `s`. `Ok`: it settles (or reaches a state already
-/// proved). `Err`: the steps it took before it got stuck or ran out of steps.
-pub fn drain(m: &Leasehold, s: &State) -> Result<(), Vec<(Action, State)>> {
-    let mut cur = s.clone();
-    let mut seen = Vec::new();
-    let mut path = Vec::new();
-    let mut acts = Vec::new();
-    for _ in 0..DRAIN_LIMIT {
-        let h = fingerprint(&cur);
-        if settled(&m.cfg, &cur) || m.live.ok.contains(&h) {
-            for h in seen {
-                m.live.ok.insert(h);
-            }
-            return Ok(());
-        }
-        seen.push(h);
-        acts.clear();
-        m.enabled(&cur, &mut acts);
-        acts.retain(|a| !a.is_fault_or_operator());
-        acts.sort_by_key(rank);
-        let next = acts.iter().find_map(|a| m.step(&cur, *a).map(|n| (*a, n)));
-        match next {
-            Some((a, n)) => {
-                path.push((a, n.clone()));
-                cur = n;
-            }
-            None => return Err(path),
-        }
-    }
-    Err(path)
-}
-
-fn fingerprint(s: &State) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    s.hash(&mut h);
-    h.finish()
-}
-
-/// States from which the drain settles, by fingerprint, shared by the checker threads.
-#[derive(Default)]
-pub struct LivenessMemo {
-    pub ok: DashSet<u64>,
-}
-
-impl LivenessMemo {
-    pub fn proved(&self, m: &Leasehold, s: &State) -> bool {
-        drain(m, s).is_ok()
-    }
 }

@@ -414,9 +414,14 @@ impl State {
         for r in &mut s.rows {
             r.owner = map(r.owner);
         }
-        for (i, proc) in self.procs.iter().enumerate() {
-            s.procs[perm[i] as usize] = proc.clone();
+        let mut procs: Vec<Option<Proc>> = vec![None; s.procs.len()];
+        for (i, proc) in std::mem::take(&mut s.procs).into_iter().enumerate() {
+            procs[perm[i] as usize] = Some(proc);
         }
+        s.procs = procs
+            .into_iter()
+            .map(|p| p.expect("a permutation"))
+            .collect();
         for req in &mut s.store.in_flight {
             req.from = map(req.from);
         }
@@ -434,15 +439,22 @@ impl State {
     /// The least renaming of the processes: one state per class of interchangeable
     /// situations (stateright's symmetry reduction).
     pub fn representative(&self) -> State {
-        let n = self.procs.len();
-        let mut best = self.clone();
-        for perm in permutations(n) {
+        self.clone().into_representative()
+    }
+
+    /// [`State::representative`] of a state the caller gives up (one clone fewer).
+    pub fn into_representative(self) -> State {
+        let mut best: Option<State> = None;
+        for perm in permutations(self.procs.len()) {
+            if perm.iter().enumerate().all(|(i, to)| *to as usize == i) {
+                continue;
+            }
             let s = self.renamed(&perm);
-            if s < best {
-                best = s;
+            if s < *best.as_ref().unwrap_or(&self) {
+                best = Some(s);
             }
         }
-        best
+        best.unwrap_or(self)
     }
 }
 

@@ -9,14 +9,25 @@ use super::state::{Effect, Ending, JobState, Phase, Renewer, State, Up};
 
 /// The trace of `steps` taken from `first`.
 pub fn render(m: &Leasehold, first: &State, steps: &[(Action, State)]) -> String {
+    render_from(m, first, steps, "start", 0)
+}
+
+/// [`render`], with `first` labelled `label` and the clock at `t` there (a cycle that
+/// goes on from where a path left off).
+pub fn render_from(
+    m: &Leasehold,
+    first: &State,
+    steps: &[(Action, State)],
+    label: &str,
+    mut t: usize,
+) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "  0.        {:<66} | {}",
-        "start",
+        "  0. t={t:<2} {:<66} | {}",
+        label,
         summary(&m.cfg, first)
     );
-    let mut t = 0;
     let mut before = first;
     for (i, (action, after)) in steps.iter().enumerate() {
         if *action == Action::Tick {
