@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::actor::claimer::Claimer;
 use crate::actor::completer::Completer;
-use crate::actor::dispatch::ReadyQueue;
+use crate::actor::dispatch::{PausedSet, ReadyQueue};
 use crate::actor::lease_renewer::{LeaseRenewer, Running};
 use crate::actor::sequencer::SequencerHandle;
 use crate::actor::{Metered, Slots};
@@ -59,6 +59,8 @@ pub(crate) struct Env {
     /// while every slot was busy); see `actor::dispatch`. Their leases are renewed
     /// meanwhile (they are in `running`).
     pub ready: ReadyQueue,
+    /// The queues last seen paused: their claimed-ahead jobs are given back, not started.
+    pub paused: PausedSet,
     /// The per-queue gauges last read for a metrics scrape, shared by every clone of
     /// the handle (so by every actix-web worker's `/metrics` route).
     #[cfg(feature = "prometheus")]

@@ -426,6 +426,12 @@ impl Exposition {
             )
             .seconds()
             .samples(each(|g| Value::Age(g.blocked_oldest_waiting_secs))),
+            Family::new(
+                "queue_paused",
+                "1 while the queue is paused (nothing of it is claimed), else 0.",
+                MetricType::Gauge,
+            )
+            .samples(each(|g| Value::Level(u64::from(g.paused)))),
         ]
     }
 }

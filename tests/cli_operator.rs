@@ -89,12 +89,12 @@ async fn an_operator_sees_which_key_is_stuck_behind_which_dead_job_and_why() {
             "{status}"
         );
         let row: Vec<&str> = status.lines().nth(1).unwrap().split_whitespace().collect();
-        // QUEUE pending waiting running held dead, ages, blocked keys, lease expiries
+        // QUEUE pending waiting running held dead, ages, blocked keys, lease expiries, paused
         assert_eq!(&row[..6], ["default", "1", "1", "0", "0", "1"], "{status}");
         assert_eq!(
-            row[row.len() - 2..],
-            ["1", "0"],
-            "one blocked key, no lease expired: {status}"
+            row[row.len() - 3..],
+            ["1", "0", "-"],
+            "one blocked key, no lease expired, not paused: {status}"
         );
         let status = json(&db, &["status"]).await;
         let queue = &status["queues"][0];
@@ -458,6 +458,42 @@ async fn a_bulk_retry_changes_nothing_until_confirmed_then_retries_every_selecte
             Some(2),
             "an id or a filter"
         );
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_resume_a_queue_show_in_status_and_are_idempotent() {
+    bounded(async {
+        let db = TestDb::new("cli_pause").await;
+        stuck_key(&db).await;
+        let text = ok(&db, &["pause", "payments", "--by", "ops\u{1b}[31m"]).await;
+        assert!(text.contains("paused queue payments"), "{text}");
+        let again = ok(&db, &["pause", "payments"]).await;
+        assert!(again.contains("already paused"), "{again}");
+        assert!(
+            again.contains("by ops\\u{1b}[31m"),
+            "the recorded author is shown escaped: {again}"
+        );
+        let status = json(&db, &["status"]).await;
+        let queues = status["queues"].as_array().unwrap();
+        let payments = queues.iter().find(|q| q["queue"] == "payments").unwrap();
+        assert_eq!(payments["paused"], true, "{status}");
+        let table = ok(&db, &["status"]).await;
+        let row = table.lines().find(|l| l.starts_with("payments")).unwrap();
+        assert!(row.ends_with("paused"), "{table}");
+
+        let resumed = json(&db, &["resume", "payments"]).await;
+        assert_eq!(resumed["changed"], true, "{resumed}");
+        let not_paused = ok(&db, &["resume", "payments"]).await;
+        assert!(not_paused.contains("was not paused"), "{not_paused}");
+        let status = json(&db, &["status"]).await;
+        assert!(status["queues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|q| q["paused"] == false));
         db.drop().await;
     })
     .await

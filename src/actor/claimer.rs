@@ -4,6 +4,7 @@
 //! - [`Wake`]: a NOTIFY arrived, or the listener reconnected.
 //! - [`SlotsFreed`]: a handler returned or a successor was parked.
 //! - [`StopClaiming`]: shutdown has begun.
+//! - [`PausesChanged`]: a queue was paused (look at the paused queues now).
 //!
 //! # Lifecycle
 //! Claims run on the claimer's own connections, planned generically (see
@@ -34,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::dispatch::{dispatch, release_ready, start_ready, wait_for_slot};
+use super::dispatch::{dispatch, release_ready, start_ready, wait_for_slot, GiveBack};
 use crate::env::Env;
 use crate::executor::hold;
 use crate::metrics::MailboxMeter;
@@ -51,6 +52,17 @@ pub(crate) struct Wake;
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct SlotsFreed;
+
+/// Look at the paused queues now: a pause was announced, or the listener reconnected
+/// (announcements may have been missed).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct PausesChanged;
+
+/// How often the claimer looks at the paused queues even without an announcement, so
+/// a pause whose NOTIFY was lost still stops this scheduler's claimed-ahead jobs within
+/// about a second (the claim statements themselves never take a paused queue's jobs).
+pub(crate) const PAUSE_LOOK: Duration = Duration::from_secs(1);
 
 /// Stop claiming (shutdown). Replies whether a claim statement is still in flight (its
 /// jobs are dispatched when it returns, so shutdown asks again until it is not).
@@ -80,6 +92,8 @@ pub(crate) struct Claimer {
     /// When the oldest job claimed ahead will have waited a lease (see
     /// [`Claimer::schedule_give_back`]).
     give_back_tick: Option<SpawnHandle>,
+    /// A look at the paused queues is in flight.
+    looking_at_pauses: bool,
     meter: Arc<MailboxMeter>,
 }
 
@@ -115,6 +129,7 @@ impl Claimer {
             backlog: false,
             ahead_paused: false,
             give_back_tick: None,
+            looking_at_pauses: false,
             meter,
         }
     }
@@ -156,14 +171,14 @@ impl Claimer {
     /// Claim into the free slots; `waited`: the coalescing wait is over.
     fn claim_after(&mut self, ctx: &mut Context<Self>, waited: bool) {
         if self.stopping || self.env.stop_claiming.is_cancelled() {
-            release_ready(&self.env, None, "released at shutdown");
+            release_ready(&self.env, GiveBack::All, "released at shutdown");
             return;
         }
         // Jobs that waited a lease for a slot go back to the queue for others; and this
         // scheduler claims nothing ahead until a slot frees, or it would take them again.
         let given_back = release_ready(
             &self.env,
-            Some(self.env.config.lease),
+            GiveBack::WaitedLongerThan(self.env.config.lease),
             "waited a lease for a slot; given back",
         );
         if given_back > 0 {
@@ -316,12 +331,54 @@ impl Claimer {
     }
 }
 
+impl Claimer {
+    /// Read the paused queues; give back the claimed-ahead jobs of any paused one.
+    fn look_at_pauses(&mut self, ctx: &mut Context<Self>) {
+        if self.looking_at_pauses || self.stopping {
+            return;
+        }
+        self.looking_at_pauses = true;
+        let store = self.env.claim_store.clone();
+        ctx.spawn(async move { store.paused_queues().await }.into_actor(self).map(
+            |res, act, _| {
+                act.looking_at_pauses = false;
+                match res {
+                    Ok(paused) => {
+                        let queues = paused.into_iter().map(|p| p.queue).collect();
+                        if act.env.paused.replace(queues) {
+                            release_ready(
+                                &act.env,
+                                GiveBack::OfPausedQueues,
+                                "its queue was paused; given back",
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        act.env.metrics.incr(|c| &c.db_errors);
+                        tracing::debug!(error = %e, "leasehold could not read the paused queues; trying again");
+                    }
+                }
+            },
+        ));
+    }
+}
+
 impl Actor for Claimer {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(self.env.config.mailbox_capacity);
+        self.look_at_pauses(ctx);
+        ctx.run_interval(PAUSE_LOOK, |act, ctx| act.look_at_pauses(ctx));
         self.claim(ctx);
+    }
+}
+
+impl Handler<PausesChanged> for Claimer {
+    type Result = ();
+    fn handle(&mut self, _: PausesChanged, ctx: &mut Self::Context) {
+        let _m = self.meter.handling();
+        self.look_at_pauses(ctx);
     }
 }
 
@@ -354,7 +411,7 @@ impl Handler<StopClaiming> for Claimer {
         if let Some(h) = self.next_tick.take() {
             ctx.cancel_future(h);
         }
-        release_ready(&self.env, None, "released at shutdown");
+        release_ready(&self.env, GiveBack::All, "released at shutdown");
         self.claiming > 0
     }
 }

@@ -13,7 +13,7 @@
 //! Not an actor: functions over the scheduler's shared state, called from the claimer,
 //! the sequencers and finishing executions, all on the host's arbiter.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -49,15 +49,49 @@ impl ReadyQueue {
     }
 }
 
+/// The queues this scheduler last saw paused (see `store::pause`): the claim statements
+/// already skip them; this set only keeps jobs claimed before the pause from starting.
+#[derive(Default)]
+pub(crate) struct PausedSet {
+    queues: std::sync::RwLock<HashSet<String>>,
+}
+
+impl PausedSet {
+    /// Whether `queue` was paused when last looked at.
+    pub fn contains(&self, queue: &str) -> bool {
+        let set = self.queues.read().unwrap_or_else(|p| p.into_inner());
+        !set.is_empty() && set.contains(queue)
+    }
+
+    /// Replace the set; returns whether any queue is paused now.
+    pub fn replace(&self, queues: HashSet<String>) -> bool {
+        let any = !queues.is_empty();
+        *self.queues.write().unwrap_or_else(|p| p.into_inner()) = queues;
+        any
+    }
+}
+
+/// Which waiting jobs to give back.
+pub(crate) enum GiveBack {
+    /// Every one (shutdown).
+    All,
+    /// Those that waited longer than this for a slot.
+    WaitedLongerThan(Duration),
+    /// Those of queues paused now.
+    OfPausedQueues,
+}
+
 /// Queue a claimed (tracked, byte-counted) job for the next free slot.
 pub(crate) fn wait_for_slot(env: &Env, ctx: JobContext) {
     env.ready.lock().push_back((ctx, Instant::now()));
     env.metrics.ready.fetch_add(1, SeqCst);
 }
 
-/// Start waiting jobs while slots are free. Returns how many started.
+/// Start waiting jobs while slots are free (a job of a queue paused since its claim is
+/// given back instead). Returns how many started.
 pub(crate) fn start_ready(env: &Arc<Env>) -> usize {
     let mut started = 0;
+    let mut paused = Vec::new();
     loop {
         let next = {
             let mut ready = env.ready.lock();
@@ -68,8 +102,16 @@ pub(crate) fn start_ready(env: &Arc<Env>) -> usize {
         };
         let Some((ctx, _)) = next else { break };
         env.metrics.ready.fetch_sub(1, SeqCst);
+        if env.paused.contains(&ctx.job().queue) {
+            env.slots.give_back(1);
+            paused.push(ctx);
+            continue;
+        }
         dispatch(env, ctx);
         started += 1;
+    }
+    if !paused.is_empty() {
+        give_back(env, paused, "its queue was paused; given back");
     }
     started
 }
@@ -142,37 +184,32 @@ async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static 
     }
 }
 
-/// Give back waiting jobs: all of them (`older_than` None: shutdown), or those that
-/// waited longer than `older_than`. Released, not failed: the attempt is not counted.
-/// Returns how many.
-pub(crate) fn release_ready(
-    env: &Arc<Env>,
-    older_than: Option<Duration>,
-    reason: &'static str,
-) -> usize {
+/// Give back the waiting jobs `which` selects. Released, not failed: the attempt is not
+/// counted. Returns how many.
+pub(crate) fn release_ready(env: &Arc<Env>, which: GiveBack, reason: &'static str) -> usize {
     let jobs: Vec<JobContext> = {
         let mut ready = env.ready.lock();
-        match older_than {
-            None => ready.drain(..).map(|(ctx, _)| ctx).collect(),
-            Some(age) => {
-                let mut old = Vec::new();
-                while ready
-                    .front()
-                    .is_some_and(|(_, since)| since.elapsed() > age)
-                {
-                    if let Some((ctx, _)) = ready.pop_front() {
-                        old.push(ctx);
-                    }
-                }
-                old
-            }
-        }
+        let (out, keep): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut *ready)
+            .into_iter()
+            .partition(|(ctx, since): &(JobContext, Instant)| match &which {
+                GiveBack::All => true,
+                GiveBack::WaitedLongerThan(age) => since.elapsed() > *age,
+                GiveBack::OfPausedQueues => env.paused.contains(&ctx.job().queue),
+            });
+        *ready = keep;
+        out.into_iter().map(|(ctx, _)| ctx).collect()
     };
-    if jobs.is_empty() {
-        return 0;
-    }
     let n = jobs.len();
-    env.metrics.ready.fetch_sub(n as u64, SeqCst);
+    if n > 0 {
+        env.metrics.ready.fetch_sub(n as u64, SeqCst);
+        give_back(env, jobs, reason);
+    }
+    n
+}
+
+/// Release jobs taken off the ready queue (their slots are not held; their bytes and
+/// tracking are), then let the claimer look again.
+fn give_back(env: &Arc<Env>, jobs: Vec<JobContext>, reason: &'static str) {
     let env = env.clone();
     actix::spawn(async move {
         release_retrying(&env, &jobs, reason).await;
@@ -183,5 +220,4 @@ pub(crate) fn release_ready(
         unhold(&env, jobs.len());
         env.wake_claimer();
     });
-    n
 }

@@ -1,5 +1,6 @@
-//! Listener: LISTEN for enqueue wake-ups and pass them to the claimer as hints, and for
-//! cancel requests and pass them to the attempts they name.
+//! Listener: LISTEN for enqueue wake-ups and pass them to the claimer as hints, for
+//! cancel requests and pass them to the attempts they name, and for paused queues (the
+//! claimer then gives back what it claimed ahead of them).
 //!
 //! A cancel request names a job; every process checks its own running attempts, and
 //! the one running it cancels its handler with `CancelReason::Cancelled` at once. A
@@ -19,17 +20,19 @@ use actix::prelude::*;
 use sqlx::postgres::{PgListener, PgPool};
 use tokio_util::sync::CancellationToken;
 
-use super::claimer::{Claimer, Wake};
+use super::claimer::{Claimer, PausesChanged, Wake};
 use super::lease_renewer::Running;
 use super::Metered;
 use crate::context::CancelReason;
 use crate::metrics::Metrics;
 
-/// The channels: enqueue wake-ups, and cancel requests.
+/// The channels: enqueue wake-ups (and resumed queues), cancel requests, and paused
+/// queues.
 #[derive(Clone)]
 pub(crate) struct Channels {
     pub wake: String,
     pub cancel: String,
+    pub pause: String,
 }
 
 pub(crate) struct Listener {
@@ -93,8 +96,12 @@ async fn listen_loop(
             let mut l = PgListener::connect_with(&pool).await?;
             // We count and announce reconnects ourselves, so no silent auto-reconnect.
             l.ignore_pool_close_event(true);
-            l.listen_all([channels.wake.as_str(), channels.cancel.as_str()])
-                .await?;
+            l.listen_all([
+                channels.wake.as_str(),
+                channels.cancel.as_str(),
+                channels.pause.as_str(),
+            ])
+            .await?;
             Ok::<_, sqlx::Error>(l)
         };
         let mut listener = tokio::select! {
@@ -118,6 +125,7 @@ async fn listen_loop(
         pause = Duration::from_millis(50);
         // Anything sent while we were away is lost: look once.
         let _ = claimer.tell(Wake);
+        let _ = claimer.tell(PausesChanged);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => {
@@ -127,6 +135,9 @@ async fn listen_loop(
                 n = listener.try_recv() => match n {
                     Ok(Some(n)) if n.channel() == channels.cancel => {
                         cancel_requested(&running, &metrics, n.payload());
+                    }
+                    Ok(Some(n)) if n.channel() == channels.pause => {
+                        let _ = claimer.tell(PausesChanged);
                     }
                     Ok(Some(_)) => {
                         metrics.incr(|c| &c.notifications);

@@ -69,6 +69,20 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 100)]
         limit: i64,
     },
+    /// Pause a queue in every process: nothing of it is claimed until it is resumed;
+    /// running jobs finish, jobs claimed ahead are given back, enqueues still go in.
+    Pause {
+        /// The queue.
+        queue: String,
+        /// Who is pausing it and why (recorded, shown by `status --json` and `paused`).
+        #[arg(long)]
+        by: Option<String>,
+    },
+    /// Resume a paused queue: every scheduler claims its jobs again at once.
+    Resume {
+        /// The queue.
+        queue: String,
+    },
     /// Create or upgrade the schema.
     Migrate {
         /// Print the SQL that would run instead of running it (one transaction that

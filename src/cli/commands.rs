@@ -28,6 +28,8 @@ pub(crate) async fn dispatch(store: &Store, command: &Command) -> Result<Printed
         Command::Hold(target) => actions::run(store, target, Action::Hold).await,
         Command::Release(target) => actions::run(store, target, Action::Release).await,
         Command::Keys { limit, .. } => blocked_keys(store, *limit).await,
+        Command::Pause { queue, by } => pause(store, queue, by.as_deref()).await,
+        Command::Resume { queue } => resume(store, queue).await,
         Command::Migrate { print: true } => migration_script(store).await,
         Command::Migrate { print: false } => migrate(store).await,
         Command::Prune { older_than, batch } => prune(store, *older_than, *batch).await,
@@ -53,6 +55,7 @@ async fn status(store: &Store) -> Result<Printed, Failure> {
         "OLDEST RUNNING",
         "BLOCKED KEYS",
         "LEASE EXPIRIES (15 MIN)",
+        "PAUSED",
     ]);
     let mut rows = Vec::new();
     for q in &stats {
@@ -67,6 +70,7 @@ async fn status(store: &Store) -> Result<Printed, Failure> {
             age(q.oldest_running_secs),
             q.blocked_keys.to_string(),
             q.recent_lease_expiries.to_string(),
+            if q.paused { "paused" } else { "-" }.to_string(),
         ]);
         rows.push(row);
     }
@@ -167,6 +171,50 @@ async fn blocked_keys(store: &Store, limit: i64) -> Result<Printed, Failure> {
     Ok(Printed {
         text,
         json: json!({ "blocked_keys": keys }),
+    })
+}
+
+async fn pause(store: &Store, queue: &str, by: Option<&str>) -> Result<Printed, Failure> {
+    let changed = store.pause_queue(queue, by).await?;
+    let since = store
+        .paused_queues()
+        .await?
+        .into_iter()
+        .find(|p| p.queue == queue);
+    let text = match (&since, changed) {
+        (_, true) => format!(
+            "paused queue {}: nothing of it is claimed until it is resumed\n",
+            super::text::shown(queue, false)
+        ),
+        (Some(p), false) => format!(
+            "queue {queue} was already paused (since {}{})\n",
+            super::text::when(Some(p.paused_at)),
+            p.paused_by
+                .as_deref()
+                .map(|b| format!(", by {}", super::text::shown(b, false)))
+                .unwrap_or_default()
+        ),
+        (None, false) => format!(
+            "queue {} was resumed meanwhile; pause it again\n",
+            super::text::shown(queue, false)
+        ),
+    };
+    Ok(Printed {
+        text,
+        json: json!({ "queue": queue, "paused": since.is_some(), "changed": changed, "pause": since }),
+    })
+}
+
+async fn resume(store: &Store, queue: &str) -> Result<Printed, Failure> {
+    let changed = store.resume_queue(queue).await?;
+    let text = if changed {
+        format!("resumed queue {queue}\n")
+    } else {
+        format!("queue {queue} was not paused\n")
+    };
+    Ok(Printed {
+        text,
+        json: json!({ "queue": queue, "paused": false, "changed": changed }),
     })
 }
 

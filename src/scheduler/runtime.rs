@@ -216,6 +216,7 @@ fn build(
         stop_claiming: CancellationToken::new(),
         hard_stop: CancellationToken::new(),
         ready: Default::default(),
+        paused: Default::default(),
         #[cfg(feature = "prometheus")]
         gauge_cache: Default::default(),
         config: config.clone(),
@@ -226,6 +227,7 @@ fn build(
         let channels = Channels {
             wake: store.schema().channel(),
             cancel: store.schema().cancel_channel(),
+            pause: store.schema().pause_channel(),
         };
         let (claimer, metrics, side) = (claimer.clone(), metrics.clone(), side.clone());
         Listener::start_in_arbiter(&maintenance.handle(), move |_| {

@@ -31,8 +31,13 @@ use crate::job::{ClaimedJob, Generation, JobId, OwnerId};
 const RETURNED: &str = "j.id, j.queue, j.kind, j.job_key, j.key_seq, j.priority, j.payload, \
      j.payload_bytes, j.attempts, j.max_attempts, j.generation, j.lease_until, j.created_at, j.claimed_at";
 
+/// The claim function over the requested queues that are not paused: a pause takes
+/// effect for every claim that starts after it committed (see [`Store::pause_queue`]).
 pub(super) const CLAIM: &str = r#"/* leasehold:claim */
-SELECT * FROM {s}.claim($1, $2, $3, $4, $9, $5, $6, $7, $8)"#;
+SELECT * FROM {s}.claim(
+    ARRAY(SELECT u.q FROM unnest($1::text[]) u(q)
+          WHERE NOT EXISTS (SELECT 1 FROM {s}.paused_queues p WHERE p.queue = u.q)),
+    $2, $3, $4, $9, $5, $6, $7, $8)"#;
 
 /// The function's two inner queries, for [`Store::explain_claim`]: the probe for the next
 /// priority present, and the locking scan of one priority level.
@@ -62,6 +67,7 @@ WITH pick AS (
     WHERE queue = $1 AND job_key = $2 AND state = 'pending'
       AND available_at <= coalesce($5, statement_timestamp())
       AND ($3::text[] IS NULL OR kind = ANY($3))
+      AND NOT EXISTS (SELECT 1 FROM {s}.paused_queues p WHERE p.queue = $1)
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), u AS (

@@ -47,9 +47,14 @@ SELECT id, queue, job_key FROM u"#;
 
 /// Keyed completions: one call of the schema's `complete_keyed` function (see
 /// migrations/0003_claim.sql), instead of five round trips (begin, lock the keys, complete,
-/// promote, commit).
+/// promote, commit). A successor of a paused queue is promoted but not chain-claimed
+/// (`$6`, the chain flags, are cleared for paused queues).
 pub(super) const COMPLETE_KEYED: &str = r#"/* leasehold:complete_keyed */
-SELECT * FROM {s}.complete_keyed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"#;
+SELECT * FROM {s}.complete_keyed($1, $2, $3, $4, $5,
+    ARRAY(SELECT c.chain AND NOT EXISTS (SELECT 1 FROM {s}.paused_queues p WHERE p.queue = c.q)
+          FROM unnest($6::bool[], $4::text[]) WITH ORDINALITY AS c(chain, q, n)
+          ORDER BY c.n),
+    $7, $8, $9, $10, $11, $12)"#;
 
 pub(super) const COMPLETE_UNKEYED: &str = r#"/* leasehold:complete_unkeyed */
 WITH c AS (

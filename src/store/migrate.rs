@@ -37,10 +37,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "lease expiries by time, for the recent expiries in queue statistics",
         include_str!("../../migrations/0005_recent_expiries.sql"),
     ),
+    (
+        6,
+        "paused queues",
+        include_str!("../../migrations/0006_paused_queues.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 5;
+pub const SCHEMA_VERSION: i32 = 6;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

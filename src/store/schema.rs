@@ -59,6 +59,13 @@ impl Schema {
     pub fn cancel_channel(&self) -> String {
         channel_name("leasehold_cancel_", &self.name)
     }
+
+    /// The channel on which a pause reaches every scheduler at once (the payload is the
+    /// queue, cut like a wake-up's): each gives back the jobs of that queue it claimed
+    /// ahead. A resume is announced on [`Schema::channel`], as new work.
+    pub fn pause_channel(&self) -> String {
+        channel_name("leasehold_pause_", &self.name)
+    }
 }
 
 /// `prefix` + `name`, within PostgreSQL's 63-byte identifier limit: a NOTIFY on a longer
@@ -110,8 +117,10 @@ mod tests {
         for ch in [
             a.channel(),
             a.cancel_channel(),
+            a.pause_channel(),
             b.channel(),
             b.cancel_channel(),
+            b.pause_channel(),
         ] {
             assert!(ch.len() <= 63, "{ch} is {} bytes", ch.len());
         }

@@ -40,6 +40,9 @@ pub struct QueueStats {
     /// [`RECENT_EXPIRIES`]: a rising figure means handlers outlive their leases, or
     /// processes die or stall.
     pub recent_lease_expiries: i64,
+    /// Paused ([`Store::pause_queue`]): nothing of it is claimed until it is resumed. A
+    /// paused queue is listed even when it holds no job.
+    pub paused: bool,
 }
 
 /// The window of [`QueueStats::recent_lease_expiries`]: 15 minutes.
@@ -65,6 +68,8 @@ pub struct QueueGauges {
     /// Seconds the oldest job waiting behind a blocked key has been enqueued; 0 when
     /// none waits.
     pub blocked_oldest_waiting_secs: f64,
+    /// Paused ([`Store::pause_queue`]); a paused queue is listed even when empty.
+    pub paused: bool,
 }
 
 /// A key whose head is dead or held, with jobs waiting behind it.
@@ -205,6 +210,7 @@ impl Store {
                     blocked_keys: g.blocked_keys,
                     blocked_oldest_waiting_secs: g.blocked_oldest_waiting_secs,
                     recent_lease_expiries: 0,
+                    paused: g.paused,
                 };
                 (g.queue, stats)
             })
@@ -286,8 +292,20 @@ impl Store {
         let mut tx = self.pool().begin().await?;
         sqlx::query(NO_JIT).execute(&mut *tx).await?;
         let rows = sqlx::query(&sql).fetch_all(&mut *tx).await?;
+        let paused: Vec<String> =
+            sqlx::query_scalar(&self.schema().render("SELECT queue FROM {s}.paused_queues"))
+                .fetch_all(&mut *tx)
+                .await?;
         tx.commit().await?;
         let mut out: BTreeMap<String, QueueGauges> = BTreeMap::new();
+        for queue in paused {
+            out.entry(queue.clone())
+                .or_insert_with(|| QueueGauges {
+                    queue,
+                    ..Default::default()
+                })
+                .paused = true;
+        }
         for r in rows {
             let queue: String = r.try_get("queue")?;
             let part: String = r.try_get("part")?;
