@@ -35,6 +35,8 @@ pub(crate) enum Ended {
     Completed,
     Retrying,
     Dead,
+    /// The handler snoozed: pending again after its delay, no attempt spent.
+    Snoozed,
     /// An operator cancelled the job while it ran.
     Cancelled,
     /// The fence was gone: another generation (or an operator) owns the job.
@@ -51,6 +53,7 @@ impl Ended {
             Ended::Completed => Outcome::Completed,
             Ended::Retrying => Outcome::Retried,
             Ended::Dead => Outcome::Dead,
+            Ended::Snoozed => Outcome::Snoozed,
             Ended::Cancelled => Outcome::Cancelled,
             Ended::Stale => Outcome::Stale,
             Ended::Released => Outcome::Released,
@@ -62,6 +65,8 @@ impl Ended {
 enum Attempt {
     Succeeded(serde_json::Value),
     Failed(Failure),
+    /// Run again after this long, without counting the attempt (`JobError::snooze`).
+    Snoozed(Duration),
     /// Give the job back without counting the attempt, with this reason.
     Release(&'static str),
     /// The lease was lost: nothing to write.
@@ -221,6 +226,7 @@ fn not_startable(env: &Env, ctx: &JobContext) -> Option<Attempt> {
         Some(CancelReason::Cancelled) => Some(Attempt::Failed(Failure {
             reason: "cancelled by operator before it started".into(),
             permanent: true,
+            retry_after: None,
         })),
         Some(CancelReason::LeaseLost | CancelReason::Timeout) => Some(Attempt::Abandoned),
         None if !ctx.lease_live() => Some(Attempt::Release(
@@ -237,6 +243,7 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
         return Attempt::Failed(Failure {
             reason: reason.clone(),
             permanent: true,
+            retry_after: None,
         });
     }
     let Some(handler) = env.registry.get(&job.kind) else {
@@ -244,6 +251,7 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
         return Attempt::Failed(Failure {
             reason: format!("no handler for kind {:?}", job.kind),
             permanent: true,
+            retry_after: None,
         });
     };
     // The task checks the lease again when it first runs: the process may have been
@@ -280,6 +288,7 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
                     humantime::format_duration(env.config.max_run_time)
                 ),
                 permanent: false,
+                retry_after: None,
             });
         }
         _ = &mut lease => {
@@ -296,6 +305,7 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
                 None => return Attempt::Failed(Failure {
                     reason: "lease not confirmed in time (the database did not answer the renewals); stopped".into(),
                     permanent: false,
+                    retry_after: None,
                 }),
             }
         }
@@ -309,6 +319,7 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
                     None => return Attempt::Failed(Failure {
                         reason: "cancelled by operator; the handler was stopped".into(),
                         permanent: true,
+                        retry_after: None,
                     }),
                 }
             }
@@ -355,16 +366,21 @@ fn attempt_from(env: &Env, joined: Joined) -> Attempt {
             Attempt::Failed(Failure {
                 reason,
                 permanent: true,
+                retry_after: None,
             })
         }
         Ok(Err(AttemptError::NotStarted)) => {
             env.metrics.incr(|c| &c.not_started);
             Attempt::Release("lease not confirmed before the handler could start")
         }
-        Ok(Err(AttemptError::Job(e))) => Attempt::Failed(Failure {
-            reason: e.message().to_string(),
-            permanent: e.is_permanent(),
-        }),
+        Ok(Err(AttemptError::Job(e))) => match e.snooze_delay() {
+            Some(delay) => Attempt::Snoozed(delay),
+            None => Attempt::Failed(Failure {
+                reason: e.message().to_string(),
+                permanent: e.is_permanent(),
+                retry_after: e.retry_delay(),
+            }),
+        },
         Err(join) if join.is_panic() => {
             env.metrics.incr(|c| &c.panics);
             let panic = join.into_panic();
@@ -376,6 +392,7 @@ fn attempt_from(env: &Env, joined: Joined) -> Attempt {
             Attempt::Failed(Failure {
                 reason: format!("handler panicked: {msg}"),
                 permanent: false,
+                retry_after: None,
             })
         }
         // The runtime the handler ran on stopped under it (the host shutting down):
@@ -451,6 +468,7 @@ async fn write_ending(
                     reason: "the handler's transaction that completed the job did not commit"
                         .into(),
                     permanent: false,
+                    retry_after: None,
                 }),
                 _ => Attempt::Succeeded(v),
             }
@@ -461,6 +479,7 @@ async fn write_ending(
                 Attempt::Failed(Failure {
                     reason,
                     permanent: true,
+                    retry_after: None,
                 })
             }
             None => Attempt::Succeeded(v),
@@ -497,6 +516,7 @@ async fn write_ending(
                     let failure = Failure {
                         reason: format!("the completion could not be written: {e}"),
                         permanent: true,
+                        retry_after: None,
                     };
                     Box::pin(write_ending(env, ctx, Attempt::Failed(failure), None)).await
                 }
@@ -520,6 +540,31 @@ async fn write_ending(
                     Ended::Cancelled
                 }
                 Ok(FailOutcome::Stale) => stale(env, job, "failure"),
+                Err(_) => Ended::Unknown,
+            }
+        }
+        Attempt::Snoozed(delay) => {
+            let max = env.registry.get(&job.kind).map_or(0, |h| h.max_snoozes());
+            match with_retries(ctx, env, || env.store.snooze(&fence, delay, max)).await {
+                Ok(Some(_)) => {
+                    env.metrics.incr(|c| &c.snoozed);
+                    Ended::Snoozed
+                }
+                // Over the kind's limit, cancelled meanwhile, or no longer ours: a
+                // failed attempt, which tells those apart.
+                Ok(None) => {
+                    let failure = Failure {
+                        reason: format!(
+                            "snoozed for {}, but the snooze was refused: kind {:?} allows {max} \
+                             snoozes per job (Handler::MAX_SNOOZES), or the job was cancelled",
+                            humantime::format_duration(delay),
+                            job.kind
+                        ),
+                        permanent: false,
+                        retry_after: None,
+                    };
+                    Box::pin(write_ending(env, ctx, Attempt::Failed(failure), None)).await
+                }
                 Err(_) => Ended::Unknown,
             }
         }

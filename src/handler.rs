@@ -10,6 +10,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -57,6 +58,9 @@ pub trait Handler: Send + Sync + 'static {
     type Output: Serialize + Send + 'static;
     /// The kind name stored with each job. Changing it orphans queued jobs.
     const KIND: &'static str;
+    /// How many times one job of this kind may [snooze](JobError::snooze) without
+    /// spending an attempt. Default 100.
+    const MAX_SNOOZES: u32 = 100;
 
     /// Run one attempt. `Ok` completes the job with the output as its result; an
     /// error fails the attempt (retried with backoff, or dead when permanent or the
@@ -70,11 +74,13 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Self::Output, JobError>> + Send;
 }
 
-/// Why an attempt failed.
+/// Why an attempt did not complete: a failure (retried or dead), or a snooze ("not yet").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobError {
     message: String,
     permanent: bool,
+    retry_after: Option<Duration>,
+    snooze: Option<Duration>,
 }
 
 impl JobError {
@@ -83,14 +89,56 @@ impl JobError {
         JobError {
             message: message.to_string(),
             permanent: false,
+            retry_after: None,
+            snooze: None,
         }
     }
 
     /// A failure no retry can fix: the job is dead at once.
     pub fn permanent(message: impl fmt::Display) -> Self {
         JobError {
-            message: message.to_string(),
             permanent: true,
+            ..JobError::retry(message)
+        }
+    }
+
+    /// A failure worth retrying after `delay` rather than after the backoff: a 429 or
+    /// 503 with a `Retry-After` header, a rate limit's reset time. It spends an attempt
+    /// like any failure (the last one makes the job dead); the delay is capped at
+    /// [`MAX_DELAY`](crate::store::MAX_DELAY).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use leasehold::JobError;
+    /// // The provider said `429 Too Many Requests`, `Retry-After: 30`.
+    /// let e = JobError::retry_after("rate limited by the provider", Duration::from_secs(30));
+    /// assert_eq!(e.retry_delay(), Some(Duration::from_secs(30)));
+    /// ```
+    pub fn retry_after(message: impl fmt::Display, delay: Duration) -> Self {
+        JobError {
+            retry_after: Some(delay),
+            ..JobError::retry(message)
+        }
+    }
+
+    /// Not yet: run the job again after `delay` without spending an attempt (an
+    /// upstream is not ready, a business hour has not come). A keyed job stays at its
+    /// key's head, so the key's later jobs wait behind it. Each job may snooze at most
+    /// [`Handler::MAX_SNOOZES`] times; past that a snooze counts as a failed attempt, so
+    /// a handler that always snoozes still ends (dead after its attempts). Counted in the
+    /// metrics as the outcome `snoozed`; the delay is capped at
+    /// [`MAX_DELAY`](crate::store::MAX_DELAY).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use leasehold::JobError;
+    /// let e = JobError::snooze(Duration::from_secs(60));
+    /// assert_eq!(e.snooze_delay(), Some(Duration::from_secs(60)));
+    /// ```
+    pub fn snooze(delay: Duration) -> Self {
+        JobError {
+            snooze: Some(delay),
+            ..JobError::retry(format!("snoozed for {}", humantime::format_duration(delay)))
         }
     }
 
@@ -102,6 +150,16 @@ impl JobError {
     /// True when no retry can fix it: the job is dead at once.
     pub fn is_permanent(&self) -> bool {
         self.permanent
+    }
+
+    /// The delay a [`JobError::retry_after`] asked for, instead of the backoff.
+    pub fn retry_delay(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// The delay of a [`JobError::snooze`]; `None` for a failure.
+    pub fn snooze_delay(&self) -> Option<Duration> {
+        self.snooze
     }
 }
 
@@ -127,6 +185,9 @@ pub(crate) trait ErasedHandler: Send + Sync {
         ctx: JobContext,
         payload: serde_json::Value,
     ) -> BoxFuture<Result<serde_json::Value, AttemptError>>;
+
+    /// [`Handler::MAX_SNOOZES`] of the kind.
+    fn max_snoozes(&self) -> u32;
 }
 
 /// How an attempt ended when it did not succeed (before the executor adds panics and
@@ -143,6 +204,10 @@ pub(crate) enum AttemptError {
 struct Erased<H>(Arc<H>);
 
 impl<H: Handler> ErasedHandler for Erased<H> {
+    fn max_snoozes(&self) -> u32 {
+        H::MAX_SNOOZES
+    }
+
     fn call(
         &self,
         ctx: JobContext,

@@ -369,6 +369,9 @@ pub struct JobRecord {
     pub attempts: i32,
     /// After this many attempts a failure or an expired lease makes the job dead.
     pub max_attempts: i32,
+    /// Times a handler snoozed it ([`JobError::snooze`](crate::JobError::snooze)); each
+    /// gave its attempt back.
+    pub snoozes: i32,
     /// Claims so far: the fencing token of the latest one (0 if never claimed).
     pub generation: Generation,
     /// Owner id of the process that claimed the latest generation, kept after the job

@@ -134,10 +134,11 @@ pub fn encode(snapshot: MetricsSnapshot, gauges: Vec<QueueGauges>, format: Forma
 
 /// Counters that [`MetricsSnapshot::jobs`] splits by queue, kind and outcome
 /// (`leasehold_attempts_total`): not repeated as process-wide totals.
-const PER_KIND_COUNTERS: [&str; 6] = [
+const PER_KIND_COUNTERS: [&str; 7] = [
     "completed",
     "failed",
     "dead",
+    "snoozed",
     "cancelled",
     "released",
     "stale_completions",

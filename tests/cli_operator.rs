@@ -68,6 +68,7 @@ async fn stuck_key(db: &TestDb) -> (JobId, JobId, JobId) {
     let declined = Failure {
         reason: "card declined".into(),
         permanent: true,
+        retry_after: None,
     };
     db.store
         .fail(&claimed[0].fence(), &declined, &fixed_backoff(1))
@@ -403,6 +404,7 @@ async fn a_bulk_retry_changes_nothing_until_confirmed_then_retries_every_selecte
             let fatal = Failure {
                 reason: "declined".into(),
                 permanent: true,
+                retry_after: None,
             };
             db.store
                 .fail(&claimed.fence(), &fatal, &fixed_backoff(1))

@@ -203,6 +203,7 @@ async fn seed_scenario(test: &str, keys: Keys, gateway: GatewayConfig) -> Seed {
     let failure = Failure {
         reason: "late".into(),
         permanent: false,
+        retry_after: None,
     };
     assert_eq!(
         a_store
@@ -562,6 +563,7 @@ async fn fail_and_retry(db: &TestDb, j: &ClaimedJob, next: &OwnerId) -> ClaimedJ
     let failure = Failure {
         reason: "the step after the charge failed".into(),
         permanent: false,
+        retry_after: None,
     };
     let outcome = db
         .store
@@ -584,6 +586,7 @@ async fn fail_permanently(store: &Store, j: &ClaimedJob, err: &JobError) {
     let failure = Failure {
         reason: err.message().to_string(),
         permanent: err.is_permanent(),
+        retry_after: None,
     };
     assert_eq!(
         store

@@ -17,6 +17,7 @@ fn fatal() -> Failure {
     Failure {
         reason: "boom".into(),
         permanent: true,
+        retry_after: None,
     }
 }
 
@@ -248,6 +249,7 @@ async fn cancelling_a_head_promotes_its_successor() {
                     &Failure {
                         reason: "stopped: cancelled".into(),
                         permanent: false,
+                        retry_after: None,
                     },
                     &fixed_backoff(1)
                 )
@@ -397,7 +399,8 @@ async fn retry_dead_resumes_a_blocking_head_before_its_successors() {
                     &j.fence(),
                     &Failure {
                         reason: "1".into(),
-                        permanent: false
+                        permanent: false,
+                        retry_after: None,
                     },
                     &fixed_backoff(1)
                 )
@@ -412,7 +415,8 @@ async fn retry_dead_resumes_a_blocking_head_before_its_successors() {
                     &j.fence(),
                     &Failure {
                         reason: "2".into(),
-                        permanent: false
+                        permanent: false,
+                        retry_after: None,
                     },
                     &fixed_backoff(1)
                 )
@@ -522,6 +526,7 @@ async fn history_lists_every_transition_with_its_generation_and_actor() {
                 &Failure {
                     reason: "flaky".into(),
                     permanent: false,
+                    retry_after: None,
                 },
                 &fixed_backoff(1),
             )

@@ -124,6 +124,7 @@ async fn failure_reason_with_nul_and_a_megabyte_is_stored_sanitized_and_truncate
                 &Failure {
                     reason: "bad\0byte".into(),
                     permanent: false,
+                    retry_after: None,
                 },
                 &fixed_backoff(1),
             )
@@ -152,6 +153,7 @@ async fn failure_reason_with_nul_and_a_megabyte_is_stored_sanitized_and_truncate
                 &Failure {
                     reason: huge,
                     permanent: false,
+                    retry_after: None,
                 },
                 &fixed_backoff(1),
             )
@@ -195,7 +197,7 @@ async fn permanent_failure_makes_the_job_dead_at_once_with_its_reason() {
         let w = owner("w");
         let j = db.store.claim(&claim_req(&w, 1)).await.unwrap().remove(0);
         let reason = "payload does not decode as Charge: invalid type: string \"not a number\", expected u64";
-        let out = db.store.fail(&j.fence(), &Failure { reason: reason.into(), permanent: true }, &fixed_backoff(1)).await.unwrap();
+        let out = db.store.fail(&j.fence(), &Failure { reason: reason.into(), permanent: true , retry_after: None}, &fixed_backoff(1)).await.unwrap();
         assert_eq!(out, FailOutcome::Dead);
         let rec = db.store.job(id).await.unwrap();
         assert_eq!(rec.state, JobState::Dead);

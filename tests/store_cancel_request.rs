@@ -120,6 +120,7 @@ async fn a_cancel_requested_head_that_fails_is_cancelled_and_its_key_moves_on() 
                     &Failure {
                         reason: "stopped: cancelled".into(),
                         permanent: false,
+                        retry_after: None,
                     },
                     &fixed_backoff(1),
                 )

@@ -146,6 +146,7 @@ async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
                 &Failure {
                     reason: "A gives up".into(),
                     permanent: true,
+                    retry_after: None,
                 },
                 &fixed_backoff(1),
             )
@@ -307,6 +308,7 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
                 &Failure {
                     reason: "old".into(),
                     permanent: true,
+                    retry_after: None,
                 },
                 &fixed_backoff(1),
             )

@@ -244,6 +244,7 @@ async fn a_63_byte_schema_name_migrates_enqueues_wakes_claims_and_cancels() {
                 &Failure {
                     reason: "cancelled".into(),
                     permanent: false,
+                    retry_after: None,
                 },
                 &fixed_backoff(1),
             )
@@ -339,6 +340,7 @@ async fn a_store_for_a_config_gives_its_jobs_the_configs_attempts() {
             let failure = Failure {
                 reason: "no".into(),
                 permanent: false,
+                retry_after: None,
             };
             outcomes.push(
                 store

@@ -121,7 +121,8 @@ async fn a_poison_payload_fails_alone_in_its_claim_batch_and_can_be_shown_and_ca
                     &bad.fence(),
                     &Failure {
                         reason: reason.to_string(),
-                        permanent: true
+                        permanent: true,
+                        retry_after: None,
                     },
                     &fixed_backoff(1)
                 )

@@ -206,6 +206,7 @@ async fn concurrent_reaps_and_completions_never_move_a_completed_job_back() {
                             let failure = Failure {
                                 reason: e.message().to_string(),
                                 permanent: false,
+                                retry_after: None,
                             };
                             let out = store
                                 .fail(&j.fence(), &failure, &fixed_backoff(3600))

@@ -21,6 +21,7 @@ fn fatal() -> Failure {
     Failure {
         reason: "boom".into(),
         permanent: true,
+        retry_after: None,
     }
 }
 
@@ -446,6 +447,7 @@ async fn effect_ledger_keeps_outcomes_of_jobs_that_may_run_again_past_keep_until
                 &Failure {
                     reason: "flaky".into(),
                     permanent: false,
+                    retry_after: None,
                 },
                 &fixed_backoff(3600),
             )

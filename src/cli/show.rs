@@ -133,7 +133,13 @@ fn row_fields(
         ("priority", job.priority.to_string()),
         (
             "attempts",
-            format!("{} of {}", job.attempts, job.max_attempts),
+            match job.snoozes {
+                0 => format!("{} of {}", job.attempts, job.max_attempts),
+                n => format!(
+                    "{} of {} (snoozed {n} times)",
+                    job.attempts, job.max_attempts
+                ),
+            },
         ),
         ("generation", job.generation.to_string()),
         ("owner", shown_opt(job.owner.as_deref(), full)),

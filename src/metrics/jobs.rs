@@ -17,6 +17,9 @@ pub enum Outcome {
     Retried,
     /// The attempt failed for good (permanent error or attempts exhausted).
     Dead,
+    /// The handler said "not yet" (`JobError::snooze`): pending again after its delay,
+    /// no attempt spent.
+    Snoozed,
     /// An operator cancelled the job.
     Cancelled,
     /// The job was given back without counting the attempt (shutdown, lease not
@@ -30,10 +33,11 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, in the order snapshots list them.
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Completed,
         Outcome::Retried,
         Outcome::Dead,
+        Outcome::Snoozed,
         Outcome::Cancelled,
         Outcome::Released,
         Outcome::Stale,
@@ -46,6 +50,7 @@ impl Outcome {
             Outcome::Completed => "completed",
             Outcome::Retried => "retried",
             Outcome::Dead => "dead",
+            Outcome::Snoozed => "snoozed",
             Outcome::Cancelled => "cancelled",
             Outcome::Released => "released",
             Outcome::Stale => "stale",

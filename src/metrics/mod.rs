@@ -155,6 +155,9 @@ counters! {
     failed,
     /// Attempts that made the job dead.
     dead,
+    /// Attempts that snoozed their job (`JobError::snooze`): pending again after the
+    /// delay, no attempt spent.
+    snoozed,
     /// Attempts that ended their job cancelled (an operator asked while it ran).
     cancelled,
     /// Completions (and failures) refused because the worker lost its fence.

@@ -6,6 +6,9 @@
 //! Continue policy or cancelled, and a release of a job an operator asked to cancel
 //! makes it cancelled.
 
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
 use sqlx::{Acquire, Row};
 
 use super::keys::KeyRef;
@@ -32,9 +35,9 @@ WITH t AS MATERIALIZED (
                      ELSE 'pending' END,
         available_at = CASE WHEN cancel_requested_at IS NOT NULL OR $5 OR attempts >= max_attempts
             THEN available_at
-            ELSE (SELECT now FROM t) + make_interval(secs =>
+            ELSE (SELECT now FROM t) + make_interval(secs => coalesce($9::float8,
                 least($7, $6 * power(2, least(greatest(attempts - 1, 0), 60)))
-                * (1 - $8 * random())) END,
+                * (1 - $8 * random()))) END,
         finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR $5 OR attempts >= max_attempts
             THEN (SELECT now FROM t) END,
         lease_until = NULL,
@@ -50,6 +53,24 @@ WITH t AS MATERIALIZED (
     FROM u
 )
 SELECT * FROM u"#;
+
+/// A snooze: back to pending after the delay, the attempt given back, counted in
+/// `snoozes`. Not for a job an operator asked to cancel, nor past the kind's maximum
+/// (`$5`): the caller then fails the attempt instead. A pending job stays its key's
+/// head, so no key row is touched.
+pub(super) const SNOOZE: &str = r#"/* leasehold:snooze */
+WITH u AS (
+    UPDATE {s}.jobs
+    SET state = 'pending', available_at = clock_timestamp() + make_interval(secs => $4),
+        attempts = greatest(attempts - 1, 0), snoozes = snoozes + 1, lease_until = NULL
+    WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
+      AND cancel_requested_at IS NULL AND snoozes < $5
+    RETURNING id, generation, available_at, snoozes
+), ev AS (
+    INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
+    SELECT id, generation, 'snoozed', $2, clock_timestamp(), $6 FROM u
+)
+SELECT available_at FROM u"#;
 
 /// Release for shutdown. A job an operator asked to cancel is not put back: it is
 /// cancelled, and its key moves on (its key row locked first, `SKIP LOCKED`: a release
@@ -88,12 +109,15 @@ SELECT id, queue, job_key, state,
 FROM u"#;
 
 /// Why an attempt failed, for [`Store::fail`].
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Failure {
     /// Why, stored as the job's `last_error` (cut to 4 KiB, NULs escaped).
     pub reason: String,
     /// Dead at once, whatever attempts remain (undecodable payload, permanent error).
     pub permanent: bool,
+    /// Retry after this long instead of the backoff ([`crate::JobError::retry_after`]);
+    /// capped at [`MAX_DELAY`](super::MAX_DELAY).
+    pub retry_after: Option<Duration>,
 }
 
 impl Store {
@@ -120,6 +144,7 @@ impl Store {
             .bind(secs(backoff.base))
             .bind(secs(backoff.cap))
             .bind(backoff.jitter)
+            .bind(failure.retry_after.map(|d| secs(d.min(super::MAX_DELAY))))
             .fetch_optional(&mut *tx)
             .await?;
         let Some(row) = row else {
@@ -146,6 +171,32 @@ impl Store {
         };
         tx.commit().await?;
         Ok(outcome)
+    }
+
+    /// Snooze the attempt ([`crate::JobError::snooze`]): the job is pending again after
+    /// `delay` (database clock; capped at [`MAX_DELAY`](super::MAX_DELAY)) and the attempt
+    /// is not counted. Returns when it becomes claimable, or `None` when nothing was
+    /// written: the fence is gone, an operator asked to cancel the job, or it already
+    /// snoozed `max_snoozes` times. The caller then fails the attempt instead, which
+    /// tells those apart.
+    #[tracing::instrument(name = "leasehold.snooze", level = "debug", skip_all, fields(job = fence.job.0))]
+    pub async fn snooze(
+        &self,
+        fence: &Fence,
+        delay: Duration,
+        max_snoozes: u32,
+    ) -> Result<Option<DateTime<Utc>>> {
+        let delay = delay.min(super::MAX_DELAY);
+        let detail = format!("snoozed for {}", humantime::format_duration(delay));
+        Ok(sqlx::query_scalar(&self.sql().snooze)
+            .bind(fence.job.0)
+            .bind(fence.owner.as_str())
+            .bind(fence.generation.0)
+            .bind(secs(delay))
+            .bind(i32::try_from(max_snoozes).unwrap_or(i32::MAX))
+            .bind(detail)
+            .fetch_optional(self.pool())
+            .await?)
     }
 
     /// Give jobs back without counting the attempt (graceful shutdown): pending and

@@ -42,10 +42,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "paused queues",
         include_str!("../../migrations/0006_paused_queues.sql"),
     ),
+    (
+        7,
+        "snoozes",
+        include_str!("../../migrations/0007_snoozes.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 6;
+pub const SCHEMA_VERSION: i32 = 7;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";
