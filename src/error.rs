@@ -90,6 +90,25 @@ pub enum Error {
         source: sqlx::Error,
     },
 
+    /// The schema is older than this build and the connected role may not migrate it
+    /// (PostgreSQL refused with permission denied: a runtime role, which has no CREATE
+    /// on the database or the schema). Nothing was changed. Run `leasehold migrate` (or
+    /// [`Store::migrate`](crate::Store::migrate)) as the schema's owner, then start
+    /// again. A schema newer than the build (a rolling deploy) is not an error.
+    #[error(
+        "schema {schema:?} is at version {found} and this build needs version {needed}, but this role may not migrate it ({source}); run `leasehold migrate` (or `Store::migrate`) as the schema's owner, then start again"
+    )]
+    SchemaOutdated {
+        /// The schema's name.
+        schema: String,
+        /// The newest version applied to it; 0 when it has none (or does not exist).
+        found: i32,
+        /// The newest version this build knows ([`SCHEMA_VERSION`](crate::store::SCHEMA_VERSION)).
+        needed: i32,
+        /// The database's refusal.
+        source: sqlx::Error,
+    },
+
     /// An effect key was reused with a different request; nothing was done. A handler
     /// sees it as a permanent [`JobError`](crate::JobError): its step name or request is
     /// not stable across attempts, a bug no retry can fix.

@@ -4,6 +4,12 @@
 //! the schema name) serializes them, and each re-reads the applied versions under the
 //! lock, so the second one finds nothing to do. The host's `_sqlx_migrations` table is
 //! never touched.
+//!
+//! A schema that is current (or newer: a rolling deploy) is recognised by one read,
+//! before any lock or DDL, so a scheduler can start as a runtime role that may not
+//! create anything ([`runtime_grants`] is what that role needs). Only a missing
+//! migration takes the lock and runs DDL; a role that may not is told to run the
+//! migration as the schema's owner ([`Error::SchemaOutdated`]).
 
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -69,7 +75,39 @@ COMMENT ON COLUMN {s}.leasehold_migrations.applied_at IS 'Database time the migr
 const RECORD_VERSION: &str =
     "INSERT INTO {s}.leasehold_migrations (version, description) VALUES ($1, $2)";
 
-/// The versions applied to `schema`; none when it has no version table yet.
+/// The grants of the runtime role, run by the schema's owner; `{r}` is the role.
+const RUNTIME_GRANTS: &str = "GRANT USAGE ON SCHEMA {s} TO {r};
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {s} TO {r};
+REVOKE INSERT, UPDATE, DELETE ON {s}.leasehold_migrations FROM {r};
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {s} TO {r};
+ALTER DEFAULT PRIVILEGES IN SCHEMA {s} GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO {r};
+ALTER DEFAULT PRIVILEGES IN SCHEMA {s} GRANT EXECUTE ON FUNCTIONS TO {r};
+";
+
+/// What a role needs to run a scheduler and the admin calls on `schema`, and nothing
+/// more, as SQL for the schema's owner (the role that runs
+/// [`Store::migrate`](crate::Store::migrate)) to run after migrating: usage on the
+/// schema; read and write on its tables, read only on `leasehold_migrations`; execute on
+/// its functions (PUBLIC has that by default, but not where it was revoked); and
+/// default privileges, so the tables and functions a later migration by the same owner
+/// creates are granted too. No sequence: every id is an identity column, whose sequence
+/// needs no grant. Idempotent: run it again after a migration if the default privileges
+/// were left out. The README ("Running with least privilege") quotes it for
+/// `runtime_grants(&Schema::new("leasehold")?, "leasehold_app")` and says which
+/// statement needs which grant.
+///
+/// `role` is quoted here as an identifier (so `"App"` keeps its case).
+pub fn runtime_grants(schema: &Schema, role: &str) -> String {
+    let role = format!("\"{}\"", role.replace('"', "\"\""));
+    format!(
+        "-- leasehold: the grants of runtime role {role} on schema {}; run as the schema's owner, after `leasehold migrate`.\n{}",
+        schema.quoted(),
+        schema.render(RUNTIME_GRANTS).replace("{r}", &role)
+    )
+}
+
+/// The versions applied to `schema`; none when it (or its version table) does not
+/// exist yet. A plain read: no lock, no DDL.
 async fn applied_versions(conn: &mut PgConnection, schema: &Schema) -> Result<Vec<i32>> {
     let fresh: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
         .bind(schema.render("{s}.leasehold_migrations"))
@@ -85,17 +123,66 @@ async fn applied_versions(conn: &mut PgConnection, schema: &Schema) -> Result<Ve
     )
 }
 
-/// Apply every missing migration to `schema`. A no-op when already applied.
+/// The migrations of this build that `applied` lacks, in order. Versions newer than the
+/// build (a rolling deploy's) are not its business.
+fn missing(
+    applied: &[i32],
+) -> impl Iterator<Item = &'static (i32, &'static str, &'static str)> + '_ {
+    MIGRATIONS.iter().filter(|m| !applied.contains(&m.0))
+}
+
+async fn schema_exists(conn: &mut PgConnection, schema: &Schema) -> Result<bool> {
+    Ok(
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(schema.name())
+            .fetch_one(&mut *conn)
+            .await?,
+    )
+}
+
+/// Apply every missing migration to `schema`. When none is missing (the schema is
+/// current, or newer than this build), one read and no lock, no DDL: a runtime role
+/// without CREATE starts. Otherwise the missing ones are applied in one transaction;
+/// a role that may not is refused with [`Error::SchemaOutdated`].
 pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
     let mut conn = pool.acquire().await?;
+    let applied = applied_versions(&mut conn, schema).await?;
+    if missing(&applied).next().is_none() {
+        return Ok(());
+    }
+    let found = applied.iter().copied().max().unwrap_or(0);
+    apply(&mut conn, schema).await.map_err(|e| match e {
+        Error::Database(source) | Error::Migration { source, .. } if is_denied(&source) => {
+            Error::SchemaOutdated {
+                schema: schema.name().to_string(),
+                found,
+                needed: SCHEMA_VERSION,
+                source,
+            }
+        }
+        e => e,
+    })
+}
+
+/// `insufficient_privilege`: the role may not create the schema, a table or a function.
+fn is_denied(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("42501"))
+}
+
+/// The locked half of [`migrate`]: re-read under the lock, create what is missing.
+async fn apply(conn: &mut PgConnection, schema: &Schema) -> Result<()> {
     let mut tx = conn.begin().await?;
     sqlx::query(LOCK)
         .bind(schema.name())
         .execute(&mut *tx)
         .await?;
-    sqlx::query(&schema.render("CREATE SCHEMA IF NOT EXISTS {s}"))
-        .execute(&mut *tx)
-        .await?;
+    // Only when missing: CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even
+    // when the schema exists, which an owner given its schema by a DBA may not have.
+    if !schema_exists(&mut tx, schema).await? {
+        sqlx::query(&schema.render("CREATE SCHEMA IF NOT EXISTS {s}"))
+            .execute(&mut *tx)
+            .await?;
+    }
     let applied = applied_versions(&mut tx, schema).await?;
     if applied.is_empty() {
         sqlx::query(&schema.render(VERSION_TABLE))
@@ -107,10 +194,7 @@ pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
         )
         .await?;
     }
-    for &(version, description, template) in MIGRATIONS {
-        if applied.contains(&version) {
-            continue;
-        }
+    for &(version, description, template) in missing(&applied) {
         let sql = template.replace("__SCHEMA__", schema.quoted());
         // Through the trait: `raw_sql(..).execute(&mut *tx)` makes this future !Send
         // (a rustc higher-ranked lifetime limitation), and callers spawn `migrate()`.
@@ -135,31 +219,35 @@ pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
 
 /// The SQL [`migrate`] would run on `schema` now, as one script for teams that apply
 /// migrations themselves (`psql -1 -f`, or their own migration tool): one transaction
-/// that takes the same advisory lock, creates the schema and the version table if
-/// missing, applies the missing migrations and records them, so a later [`migrate`]
-/// finds nothing to do. Reads the applied versions; writes nothing. Empty of
-/// migrations (but still valid) when the schema is current.
+/// that takes the same advisory lock, creates the schema (if it does not exist) and the
+/// version table (if missing), applies the missing migrations and records them, so a
+/// later [`migrate`] finds nothing to do. Reads the applied versions; writes nothing.
+/// When nothing is missing, as [`migrate`] then runs nothing, only a comment saying so.
 pub async fn script(pool: &PgPool, schema: &Schema) -> Result<String> {
     let mut conn = pool.acquire().await?;
     let applied = applied_versions(&mut conn, schema).await?;
     let mut out = format!(
-        "-- leasehold schema {}: the migrations not yet applied (version {SCHEMA_VERSION} is the newest).\nBEGIN;\n",
+        "-- leasehold schema {}: the migrations not yet applied (version {SCHEMA_VERSION} is the newest).\n",
         schema.quoted()
     );
+    if missing(&applied).next().is_none() {
+        out += "-- none: the schema is current.\n";
+        return Ok(out);
+    }
+    out += "BEGIN;\n";
     // Schema names are validated identifiers (a-z, 0-9, _), safe inside a literal.
     out += &LOCK.replace("$1", &format!("'{}'", schema.name()));
     out += ";\n";
-    out += &schema.render("CREATE SCHEMA IF NOT EXISTS {s};\n");
+    if !schema_exists(&mut conn, schema).await? {
+        out += &schema.render("CREATE SCHEMA IF NOT EXISTS {s};\n");
+    }
     if applied.is_empty() {
         out += &schema.render(VERSION_TABLE);
         out += ";\n";
         out += &schema.render(VERSION_TABLE_COMMENTS);
         out += "\n";
     }
-    for &(version, description, template) in MIGRATIONS {
-        if applied.contains(&version) {
-            continue;
-        }
+    for &(version, description, template) in missing(&applied) {
         out += &format!("\n-- migration {version}: {description}\n");
         out += template.replace("__SCHEMA__", schema.quoted()).trim_end();
         out += "\n";

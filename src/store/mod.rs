@@ -41,7 +41,7 @@ pub use fail::Failure;
 pub use inspect::{JobFilter, LeaseExpiry, DEFAULT_PAGE, MAX_PAGE};
 pub(crate) use keys::Chain;
 pub use lease::RenewReport;
-pub use migrate::SCHEMA_VERSION;
+pub use migrate::{runtime_grants, SCHEMA_VERSION};
 pub use pause::PausedQueue;
 pub use reap::ReapReport;
 pub use schema::Schema;
