@@ -65,6 +65,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or_else(|| format!("tokio_example_{}", std::process::id())),
         ..Config::default()
     };
+    // Listen for SIGTERM before any job can start: a signal that came before the
+    // handler was installed would kill the process with the job still running.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let scheduler = Scheduler::builder(pool.clone(), config.clone())
         .register(Greeter)
         .start()
@@ -77,7 +80,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if demo {
         tokio::time::sleep(Duration::from_secs(1)).await;
     } else {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}

@@ -192,6 +192,36 @@ pub struct NewJob {
     pub payload: serde_json::Value,
     /// What this job does to its key if it dies. Default [`DeadKeyPolicy::Block`].
     pub dead_key_policy: DeadKeyPolicy,
+    /// Enqueue it only if no job of the same kind and unique key exists in the scope
+    /// ([`NewJob::unique`]). `None`: no uniqueness.
+    pub unique: Option<Unique>,
+}
+
+/// A unique key and its scope: a job is not enqueued when a job of the same kind and
+/// unique key exists in the scope; the enqueue returns that job's id instead, and
+/// [`Store::enqueue_outcome`](crate::Store::enqueue_outcome) says it was a duplicate.
+/// Enforced by the database (unique indexes, and a lock per unique key while an
+/// enqueue looks), so concurrent enqueuers in any number of processes get one job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unique {
+    /// The unique key (at most one job per kind and key in the scope).
+    pub key: String,
+    /// Where the key must be unique.
+    pub scope: UniqueScope,
+}
+
+/// Where a [`Unique`] key must be unique.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UniqueScope {
+    /// While a job with the key is open: pending, waiting, running or held. Once it is
+    /// done, dead or cancelled, the key may be enqueued again.
+    WhileOpen,
+    /// Once per period, in fixed windows of the database clock counted from the Unix
+    /// epoch (`Period(1 hour)`: once per clock hour, whatever the job's state). The row
+    /// is kept by retention until its window has passed.
+    Period(std::time::Duration),
+    /// Once, ever: the job's row is never pruned by retention, so the key stays taken.
+    Forever,
 }
 
 impl NewJob {
@@ -215,6 +245,7 @@ impl NewJob {
             max_attempts: None,
             payload,
             dead_key_policy: DeadKeyPolicy::Block,
+            unique: None,
         }
     }
 
@@ -261,6 +292,34 @@ impl NewJob {
         self.dead_key_policy = policy;
         self
     }
+    /// Enqueue it only if no job of its kind with this unique key exists in `scope`;
+    /// otherwise the enqueue returns the existing job's id (see [`Unique`]).
+    ///
+    /// ```
+    /// # use leasehold::{NewJob, UniqueScope};
+    /// // One charge per order, however often the checkout retries its request.
+    /// let job = NewJob::from_json("charge", serde_json::json!({"order": 42}))
+    ///     .unique("order-42", UniqueScope::Forever);
+    /// assert_eq!(job.unique.unwrap().key, "order-42");
+    /// ```
+    pub fn unique(mut self, key: impl Into<String>, scope: UniqueScope) -> Self {
+        self.unique = Some(Unique {
+            key: key.into(),
+            scope,
+        });
+        self
+    }
+}
+
+/// What an enqueue did with one job: its id, and whether that is an existing job's
+/// because the new one was a duplicate of it ([`NewJob::unique`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Enqueued {
+    /// The new job's id, or the existing one's for a duplicate.
+    pub id: JobId,
+    /// True when nothing was enqueued: a job of the same kind and unique key exists in
+    /// the scope, and `id` is that job.
+    pub duplicate: bool,
 }
 
 /// The authority a worker holds over one claimed job: every later write carries it.

@@ -26,8 +26,8 @@ pub use context::{CancelReason, EffectKey, JobContext};
 pub use error::{Error, Result};
 pub use handler::{Handler, JobError};
 pub use job::{
-    ClaimedJob, CompleteOutcome, DeadKeyPolicy, FailOutcome, Fence, FenceOutcome, Generation,
-    JobEvent, JobId, JobRecord, JobState, NewJob, OwnerId,
+    ClaimedJob, CompleteOutcome, DeadKeyPolicy, Enqueued, FailOutcome, Fence, FenceOutcome,
+    Generation, JobEvent, JobId, JobRecord, JobState, NewJob, OwnerId, Unique, UniqueScope,
 };
 pub use metrics::MetricsSnapshot;
 pub use scheduler::{Scheduler, SchedulerBuilder, ShutdownReport};

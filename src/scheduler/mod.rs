@@ -40,7 +40,7 @@ use crate::config::Config;
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::handler::{Handler as JobHandler, Registry};
-use crate::job::{JobId, NewJob, OwnerId};
+use crate::job::{Enqueued, JobId, NewJob, OwnerId};
 use crate::metrics::MetricsSnapshot;
 use crate::store::{QueueStats, ReapReport, Store};
 use runtime::Core;
@@ -141,6 +141,13 @@ impl Scheduler {
     pub async fn enqueue_job(&self, job: NewJob) -> Result<JobId> {
         let job = self.ours(job)?;
         self.env().host_store.enqueue(job).await
+    }
+
+    /// [`Scheduler::enqueue_job`], saying whether the job was a duplicate of an existing
+    /// one ([`NewJob::unique`]); the id is then the existing job's.
+    pub async fn enqueue_outcome(&self, job: NewJob) -> Result<Enqueued> {
+        let job = self.ours(job)?;
+        self.env().host_store.enqueue_outcome(job).await
     }
 
     /// Enqueue inside the caller's transaction (the same checks as

@@ -493,6 +493,7 @@ WITH cand AS (
     SELECT id FROM {s}.jobs
     WHERE finished_at < clock_timestamp() - make_interval(secs => $1)
       AND state IN ('done', 'cancelled')
+      AND (unique_until IS NULL OR unique_until < clock_timestamp())
     ORDER BY finished_at
     LIMIT $2
     FOR UPDATE SKIP LOCKED

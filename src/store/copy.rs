@@ -19,12 +19,13 @@ use std::io::Write;
 use chrono::{DateTime, SecondsFormat, Utc};
 use sqlx::{Acquire, PgConnection};
 
+use super::unique::{Resolution, Window};
 use super::Store;
 use crate::error::{Error, Result};
 use crate::job::{DeadKeyPolicy, NewJob};
 
 const COLUMNS: &str = "queue, kind, priority, state, payload, payload_bytes, max_attempts, \
-     dead_blocks_key, available_at, created_at";
+     dead_blocks_key, available_at, created_at, unique_key, unique_until";
 
 pub(super) fn copy_statement() -> String {
     format!("/* leasehold:enqueue_copy */ COPY {{s}}.jobs ({COLUMNS}) FROM STDIN")
@@ -57,7 +58,9 @@ fn push_text(line: &mut Vec<u8>, value: &[u8]) {
 impl Store {
     /// Enqueue many unkeyed jobs with one COPY, in its own transaction. Returns the number
     /// of jobs written (COPY returns no ids: use [`Store::enqueue_many`] when you need
-    /// them). All or none.
+    /// them). All or none. Unique jobs ([`NewJob::unique`]) whose key is taken, by an
+    /// existing job or by an earlier job of the load, are left out (not an error): the
+    /// count is of the jobs written.
     pub async fn enqueue_copy(&self, jobs: Vec<NewJob>) -> Result<u64> {
         let mut conn = self.pool().acquire().await?;
         self.enqueue_copy_in(&mut conn, jobs).await
@@ -79,7 +82,20 @@ impl Store {
         }
         let statement = &self.sql().enqueue_copy;
 
+        let unique = jobs.iter().any(|j| j.unique.is_some());
+        if unique {
+            // Refuse an invalid load before taking any lock.
+            let mut encoded = Vec::new();
+            for job in &jobs {
+                self.check_job(job, &mut encoded)?;
+            }
+        }
         let mut tx = conn.begin().await?;
+        let plan = if unique {
+            self.resolve_unique(&mut tx, &jobs).await?
+        } else {
+            Vec::new()
+        };
         // The column defaults would say `now()`: the caller's transaction start.
         let now: DateTime<Utc> = sqlx::query_scalar("SELECT statement_timestamp()")
             .fetch_one(&mut *tx)
@@ -88,8 +104,13 @@ impl Store {
         let mut copy = tx.copy_in_raw(statement).await?;
         let mut buf: Vec<u8> = Vec::with_capacity(CHUNK_BYTES + 4096);
         let mut encoded: Vec<u8> = Vec::with_capacity(256);
-        for job in &jobs {
-            if let Err(e) = self.copy_row(job, now, &mut encoded, &mut buf) {
+        for (n, job) in jobs.iter().enumerate() {
+            let window = match plan.get(n) {
+                None => Window::Open,
+                Some(Resolution::Write(window)) => *window,
+                Some(_) => continue,
+            };
+            if let Err(e) = self.copy_row(job, window, now, &mut encoded, &mut buf) {
                 // Dropping the transaction afterwards rolls back what was sent.
                 let _ = copy
                     .abort("leasehold: an invalid job refused the load")
@@ -121,6 +142,7 @@ impl Store {
     fn copy_row(
         &self,
         job: &NewJob,
+        window: Window,
         now: DateTime<Utc>,
         encoded: &mut Vec<u8>,
         buf: &mut Vec<u8>,
@@ -152,6 +174,19 @@ impl Store {
         for at in [available_at, now] {
             buf.push(b'\t');
             buf.extend_from_slice(at.to_rfc3339_opts(SecondsFormat::Micros, true).as_bytes());
+        }
+        buf.push(b'\t');
+        match &job.unique {
+            Some(u) => push_text(buf, u.key.as_bytes()),
+            None => buf.extend_from_slice(b"\\N"),
+        }
+        buf.push(b'\t');
+        match window {
+            Window::Open => buf.extend_from_slice(b"\\N"),
+            Window::Forever => buf.extend_from_slice(b"infinity"),
+            Window::Until(t) => {
+                buf.extend_from_slice(t.to_rfc3339_opts(SecondsFormat::Secs, true).as_bytes())
+            }
         }
         buf.push(b'\n');
         Ok(())

@@ -7,19 +7,21 @@
 //! rest `waiting`.
 
 use chrono::Datelike;
-use sqlx::PgConnection;
+use sqlx::{Acquire, PgConnection};
 
+use super::unique::{Resolution, Window};
 use super::{secs, Store};
 use crate::error::{Error, Result};
-use crate::job::{DeadKeyPolicy, JobId, NewJob};
+use crate::job::{DeadKeyPolicy, Enqueued, JobId, NewJob};
 
 pub(super) const ENQUEUE: &str = r#"/* leasehold:enqueue */
 WITH input AS (
     SELECT row_number() OVER () AS ord, t.*
     FROM unnest($1::text[], $2::text[], $3::text[], $4::int2[], $5::timestamptz[],
-                $6::float8[], $7::int4[], $8::jsonb[], $9::int4[], $10::bool[])
+                $6::float8[], $7::int4[], $8::jsonb[], $9::int4[], $10::bool[],
+                $12::text[], $13::timestamptz[], $14::bool[])
       AS t(queue, kind, job_key, priority, run_at, delay_secs, max_attempts, payload,
-           payload_bytes, dead_blocks_key)
+           payload_bytes, dead_blocks_key, unique_key, unique_until, unique_forever)
 ), keyed AS (
     SELECT queue, job_key, count(*) AS n, __SLOT__ AS slot
     FROM input WHERE job_key IS NOT NULL
@@ -43,7 +45,8 @@ WITH input AS (
     FROM input i
 ), ins AS (
     INSERT INTO {s}.jobs (queue, kind, job_key, key_seq, priority, state, payload,
-                          payload_bytes, max_attempts, available_at, created_at, dead_blocks_key)
+                          payload_bytes, max_attempts, available_at, created_at, dead_blocks_key,
+                          unique_key, unique_until)
     SELECT n.queue, n.kind, n.job_key,
            CASE WHEN n.job_key IS NULL THEN NULL ELSE k.next_seq - kd.n + n.nth END,
            n.priority,
@@ -53,7 +56,8 @@ WITH input AS (
            n.payload, n.payload_bytes, n.max_attempts,
            coalesce(n.run_at, statement_timestamp() + make_interval(secs => coalesce(n.delay_secs, 0))),
            statement_timestamp(),
-           n.dead_blocks_key
+           n.dead_blocks_key, n.unique_key,
+           CASE WHEN n.unique_forever THEN 'infinity'::timestamptz ELSE n.unique_until END
     FROM numbered n
     LEFT JOIN k ON k.queue = n.queue AND k.job_key = n.job_key
     LEFT JOIN keyed kd ON kd.queue = n.queue AND kd.job_key = n.job_key
@@ -96,6 +100,9 @@ struct Columns {
     payload: Vec<serde_json::Value>,
     payload_bytes: Vec<i32>,
     dead_blocks_key: Vec<bool>,
+    unique_key: Vec<Option<String>>,
+    unique_until: Vec<Option<chrono::DateTime<chrono::Utc>>>,
+    unique_forever: Vec<bool>,
 }
 
 /// Refuse what PostgreSQL text cannot store. Everything else (quotes, SQL, non-ASCII,
@@ -165,6 +172,7 @@ impl Store {
         if let Some(key) = &job.key {
             check_name("key", key)?;
         }
+        super::unique::check_unique(job)?;
         let max_attempts = job
             .max_attempts
             .unwrap_or(self.options().default_max_attempts);
@@ -212,11 +220,18 @@ impl Store {
         Ok(max_attempts)
     }
 
-    fn columns(&self, jobs: Vec<NewJob>) -> Result<Columns> {
+    /// The statement's columns; `untils`: each job's unique window end (see
+    /// `store::unique`), in order.
+    fn columns(&self, jobs: Vec<(NewJob, Window)>) -> Result<Columns> {
         let mut c = Columns::default();
         let mut encoded = Vec::new();
-        for job in jobs {
+        for (job, window) in jobs {
             let max_attempts = self.check_job(&job, &mut encoded)?;
+            let (until, forever) = window.params();
+            c.unique_key
+                .push(job.unique.as_ref().map(|u| u.key.clone()));
+            c.unique_until.push(until);
+            c.unique_forever.push(forever);
             c.queue.push(job.queue_name().to_string());
             c.kind.push(job.kind);
             c.key.push(job.key);
@@ -232,42 +247,70 @@ impl Store {
         Ok(c)
     }
 
-    /// Enqueue one job in its own transaction.
+    /// Enqueue one job in its own transaction. A duplicate of a unique job
+    /// ([`NewJob::unique`]) returns the existing job's id; [`Store::enqueue_outcome`]
+    /// also says whether it was one.
     pub async fn enqueue(&self, job: NewJob) -> Result<JobId> {
-        let ids = self.enqueue_many(vec![job]).await?;
-        Ok(ids[0])
+        Ok(self.enqueue_outcome(job).await?.id)
+    }
+
+    /// [`Store::enqueue`], saying whether the job was a duplicate of an existing one.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: leasehold::Store) -> leasehold::Result<()> {
+    /// use leasehold::{NewJob, UniqueScope};
+    /// let charge = || {
+    ///     NewJob::from_json("charge", serde_json::json!({"order": 42}))
+    ///         .unique("order-42", UniqueScope::Forever)
+    /// };
+    /// let first = store.enqueue_outcome(charge()).await?;
+    /// let again = store.enqueue_outcome(charge()).await?;
+    /// assert!(!first.duplicate && again.duplicate && again.id == first.id);
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_outcome(&self, job: NewJob) -> Result<Enqueued> {
+        Ok(self.enqueue_many_outcomes(vec![job]).await?[0])
     }
 
     /// Enqueue one job inside the caller's transaction: if it rolls back, the job never
-    /// existed. Wake-ups (NOTIFY) are delivered at commit.
+    /// existed. Wake-ups (NOTIFY) are delivered at commit. A unique job's key stays
+    /// locked until then (a concurrent enqueuer of the same key waits for this
+    /// transaction).
     pub async fn enqueue_in(&self, conn: &mut PgConnection, job: NewJob) -> Result<JobId> {
         let ids = self.enqueue_many_in(conn, vec![job]).await?;
         Ok(ids[0])
     }
 
-    /// Enqueue many jobs with one statement. Ids come back in input order. All or none:
-    /// one invalid job refuses the whole batch before anything is written.
+    /// Enqueue many jobs with one statement. Ids come back in input order (a
+    /// duplicate's is the existing job's). All or none: one invalid job refuses the
+    /// whole batch before anything is written.
     ///
     /// Its own transaction: with other enqueues of this store in flight, the wake-up is
     /// sent after the commit and shared with theirs (see `store/wakeups.rs`), so
     /// concurrent producers' commits are not serialized by NOTIFY.
     pub async fn enqueue_many(&self, jobs: Vec<NewJob>) -> Result<Vec<JobId>> {
+        Ok(self
+            .enqueue_many_outcomes(jobs)
+            .await?
+            .into_iter()
+            .map(|e| e.id)
+            .collect())
+    }
+
+    /// [`Store::enqueue_many`], saying of each job whether it was a duplicate.
+    pub async fn enqueue_many_outcomes(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>> {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
         let (in_flight, alone) = self.wakeups().begin();
         let mut conn = self.pool().acquire().await?;
-        let rows = self.write_jobs(&mut conn, jobs, alone).await?;
+        let (out, wakes) = self.write_resolving(&mut conn, jobs, alone).await?;
         drop(conn);
         drop(in_flight);
-        let ids = rows.iter().map(|(id, _)| *id).collect();
-        if !alone {
-            let queues: Vec<String> = rows.into_iter().filter_map(|(_, wake)| wake).collect();
-            if !queues.is_empty() {
-                self.wake_after_commit(queues).await;
-            }
+        if !alone && !wakes.is_empty() {
+            self.wake_after_commit(wakes).await;
         }
-        Ok(ids)
+        Ok(out)
     }
 
     /// [`Store::enqueue_many`] inside the caller's transaction (its NOTIFY is delivered
@@ -277,11 +320,86 @@ impl Store {
         conn: &mut PgConnection,
         jobs: Vec<NewJob>,
     ) -> Result<Vec<JobId>> {
+        Ok(self
+            .enqueue_outcomes_in(conn, jobs)
+            .await?
+            .into_iter()
+            .map(|e| e.id)
+            .collect())
+    }
+
+    /// [`Store::enqueue_many_in`], saying of each job whether it was a duplicate.
+    pub async fn enqueue_outcomes_in(
+        &self,
+        conn: &mut PgConnection,
+        jobs: Vec<NewJob>,
+    ) -> Result<Vec<Enqueued>> {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = self.write_jobs(conn, jobs, true).await?;
-        Ok(rows.into_iter().map(|(id, _)| id).collect())
+        Ok(self.write_resolving(conn, jobs, true).await?.0)
+    }
+
+    /// Write the jobs, resolving unique ones first (in a transaction, or a savepoint of
+    /// the caller's): each job's outcome, and the queues to wake when `notify` is off.
+    async fn write_resolving(
+        &self,
+        conn: &mut PgConnection,
+        jobs: Vec<NewJob>,
+        notify: bool,
+    ) -> Result<(Vec<Enqueued>, Vec<String>)> {
+        if jobs.iter().all(|j| j.unique.is_none()) {
+            let rows = self
+                .write_jobs(
+                    conn,
+                    jobs.into_iter().map(|j| (j, Window::Open)).collect(),
+                    notify,
+                )
+                .await?;
+            return Ok(written(rows));
+        }
+        // Refuse an invalid batch before taking any lock.
+        let mut encoded = Vec::new();
+        for job in &jobs {
+            self.check_job(job, &mut encoded)?;
+        }
+        let mut tx = conn.begin().await?;
+        let plan = self.resolve_unique(&mut tx, &jobs).await?;
+        let fresh: Vec<(NewJob, Window)> = jobs
+            .into_iter()
+            .zip(&plan)
+            .filter_map(|(job, r)| match r {
+                Resolution::Write(window) => Some((job, *window)),
+                _ => None,
+            })
+            .collect();
+        let rows = if fresh.is_empty() {
+            Vec::new()
+        } else {
+            self.write_jobs(&mut tx, fresh, notify).await?
+        };
+        tx.commit().await?;
+        let (new, wakes) = written(rows);
+        let mut new = new.into_iter();
+        let mut out: Vec<Enqueued> = Vec::with_capacity(plan.len());
+        for r in &plan {
+            let e = match *r {
+                Resolution::Write(_) => new.next().ok_or_else(|| Error::Decode {
+                    what: "enqueue",
+                    reason: "fewer ids than jobs written".into(),
+                })?,
+                Resolution::Existing(id) => Enqueued {
+                    id,
+                    duplicate: true,
+                },
+                Resolution::SameAs(i) => Enqueued {
+                    id: out[i].id,
+                    duplicate: true,
+                },
+            };
+            out.push(e);
+        }
+        Ok((out, wakes))
     }
 
     /// The enqueue statement; `notify`: it sends its own wake-up. Each job's id, and its
@@ -290,7 +408,7 @@ impl Store {
     async fn write_jobs(
         &self,
         conn: &mut PgConnection,
-        jobs: Vec<NewJob>,
+        jobs: Vec<(NewJob, Window)>,
         notify: bool,
     ) -> Result<Vec<(JobId, Option<String>)>> {
         let c = self.columns(jobs)?;
@@ -307,6 +425,9 @@ impl Store {
             .bind(&c.payload_bytes)
             .bind(&c.dead_blocks_key)
             .bind(channel)
+            .bind(&c.unique_key)
+            .bind(&c.unique_until)
+            .bind(&c.unique_forever)
             .fetch_all(&mut *conn)
             .await?;
         Ok(rows
@@ -314,4 +435,20 @@ impl Store {
             .map(|(id, _, wake)| (JobId(id), wake))
             .collect())
     }
+}
+
+/// Outcomes of freshly written jobs, and the queues they went in pending to.
+fn written(rows: Vec<(JobId, Option<String>)>) -> (Vec<Enqueued>, Vec<String>) {
+    let mut wakes = Vec::new();
+    let out = rows
+        .into_iter()
+        .map(|(id, wake)| {
+            wakes.extend(wake);
+            Enqueued {
+                id,
+                duplicate: false,
+            }
+        })
+        .collect();
+    (out, wakes)
 }

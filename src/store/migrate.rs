@@ -53,10 +53,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "snoozes",
         include_str!("../../migrations/0007_snoozes.sql"),
     ),
+    (
+        8,
+        "unique jobs",
+        include_str!("../../migrations/0008_unique_jobs.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 7;
+pub const SCHEMA_VERSION: i32 = 8;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

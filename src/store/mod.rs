@@ -26,6 +26,7 @@ mod pause;
 mod reap;
 mod schema;
 mod stats;
+mod unique;
 mod wakeups;
 
 use std::sync::Arc;
