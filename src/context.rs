@@ -390,6 +390,38 @@ impl JobContext {
             .await
     }
 
+    /// Record how far this attempt got (a counter, a cursor to resume from, a status
+    /// line: at most [`MAX_PROGRESS_BYTES`](crate::store::MAX_PROGRESS_BYTES) of JSON) on
+    /// the job, for operators (`leasehold job`, [`Store::job`]) and for the next attempt
+    /// (which reads it from [`Store::job`] to resume). Replaces what was recorded before.
+    /// Fenced: once this attempt lost its lease, nothing is written and
+    /// [`FenceOutcome::Stale`](crate::FenceOutcome::Stale) comes back.
+    ///
+    /// ```no_run
+    /// # async fn demo(ctx: leasehold::JobContext) -> Result<(), leasehold::JobError> {
+    /// for (done, batch) in [10, 20, 30].iter().enumerate() {
+    ///     // ... export `batch` ...
+    /// #   let _ = batch;
+    ///     ctx.record_progress(&serde_json::json!({ "batches_done": done + 1 })).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn record_progress(
+        &self,
+        progress: &impl Serialize,
+    ) -> Result<crate::FenceOutcome, JobError> {
+        let value = serde_json::to_value(progress)
+            .map_err(|e| JobError::permanent(format!("progress cannot be encoded: {e}")))?;
+        self.inner
+            .store
+            .record_progress(&self.fence(), &value)
+            .await
+            .map_err(|e| match e {
+                crate::Error::InvalidInput { .. } => JobError::permanent(e),
+                e => JobError::retry(e),
+            })
+    }
+
     /// [`JobContext::once`] for stores with neither idempotency keys nor fencing:
     /// before acting, `lookup` asks the store whether the effect with this key already
     /// happened; if it did, its outcome is recorded and returned without acting.

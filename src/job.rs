@@ -431,6 +431,10 @@ pub struct JobRecord {
     /// Times a handler snoozed it ([`JobError::snooze`](crate::JobError::snooze)); each
     /// gave its attempt back.
     pub snoozes: i32,
+    /// What a handler last recorded with
+    /// [`JobContext::record_progress`](crate::JobContext::record_progress); kept after
+    /// the job ends.
+    pub progress: Option<serde_json::Value>,
     /// Claims so far: the fencing token of the latest one (0 if never claimed).
     pub generation: Generation,
     /// Owner id of the process that claimed the latest generation, kept after the job

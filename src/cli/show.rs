@@ -160,6 +160,13 @@ fn row_fields(
             "result",
             shown_opt(job.result.as_ref().map(|r| r.to_string()).as_deref(), full),
         ),
+        (
+            "progress",
+            shown_opt(
+                job.progress.as_ref().map(|p| p.to_string()).as_deref(),
+                full,
+            ),
+        ),
         ("last error", shown_opt(job.last_error.as_deref(), full)),
     ]);
     if let Some(e) = &job.payload_error {

@@ -25,7 +25,7 @@ use crate::job::{Generation, JobEvent, JobId, JobRecord, JobState};
 
 pub(super) const JOB_COLUMNS: &str = "id, queue, kind, job_key, key_seq, priority, state, payload, result, attempts, \
      max_attempts, generation, owner, lease_until, available_at, created_at, finished_at, last_error, \
-     dead_blocks_key, cancel_requested_at, snoozes";
+     dead_blocks_key, cancel_requested_at, snoozes, progress";
 
 /// What [`Store::cancel`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -65,6 +65,7 @@ pub(super) fn record_from_row(row: &PgRow) -> Result<JobRecord> {
     };
     let payload = json("payload").unwrap_or(serde_json::Value::Null);
     let result = json("result");
+    let progress = json("progress");
     Ok(JobRecord {
         id: JobId(row.try_get("id")?),
         queue: row.try_get("queue")?,
@@ -82,6 +83,7 @@ pub(super) fn record_from_row(row: &PgRow) -> Result<JobRecord> {
         attempts: row.try_get("attempts")?,
         max_attempts: row.try_get("max_attempts")?,
         snoozes: row.try_get("snoozes")?,
+        progress,
         generation: Generation(row.try_get("generation")?),
         owner: row.try_get("owner")?,
         lease_until: row.try_get("lease_until")?,

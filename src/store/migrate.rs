@@ -58,10 +58,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "unique jobs",
         include_str!("../../migrations/0008_unique_jobs.sql"),
     ),
+    (
+        9,
+        "progress of running jobs",
+        include_str!("../../migrations/0009_progress.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 8;
+pub const SCHEMA_VERSION: i32 = 9;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

@@ -1,0 +1,58 @@
+//! Progress: a small JSON value a running handler records on its job (how far a long
+//! export got, the cursor to resume from), readable by operators while it runs and
+//! after. Fenced like every write about a claimed job: an attempt that lost its lease
+//! cannot overwrite what the current one recorded.
+
+use super::{unstorable_json, Store, MAX_PAYLOAD_DEPTH};
+use crate::error::{Error, Result};
+use crate::job::{Fence, FenceOutcome};
+
+/// The largest progress value accepted, in bytes of its JSON encoding: it is rewritten
+/// on every call, so it must stay small (a counter, a cursor, a status line).
+pub const MAX_PROGRESS_BYTES: usize = 16 * 1024;
+
+const RECORD: &str = r#"/* leasehold:record_progress */
+UPDATE {s}.jobs SET progress = $4
+WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'"#;
+
+impl Store {
+    /// Record `progress` on a running job, if `fence` still holds it
+    /// ([`FenceOutcome::Stale`] otherwise: nothing written). Replaces what was recorded
+    /// before; kept after the job ends, and shown by [`Store::job`] and `leasehold job`.
+    /// A handler calls [`JobContext::record_progress`](crate::JobContext::record_progress).
+    pub async fn record_progress(
+        &self,
+        fence: &Fence,
+        progress: &serde_json::Value,
+    ) -> Result<FenceOutcome> {
+        let size = serde_json::to_vec(progress)
+            .map_err(|e| Error::InvalidPayload(e.to_string()))?
+            .len();
+        if size > MAX_PROGRESS_BYTES {
+            return Err(Error::InvalidInput {
+                field: "progress",
+                reason: format!(
+                    "{size} bytes is more than the {MAX_PROGRESS_BYTES} bytes a progress value may take"
+                ),
+            });
+        }
+        if let Some(reason) = unstorable_json(progress, MAX_PAYLOAD_DEPTH) {
+            return Err(Error::InvalidInput {
+                field: "progress",
+                reason,
+            });
+        }
+        let done = sqlx::query(&self.schema().render(RECORD))
+            .bind(fence.job.0)
+            .bind(fence.owner.as_str())
+            .bind(fence.generation.0)
+            .bind(progress)
+            .execute(self.pool())
+            .await?;
+        Ok(if done.rows_affected() == 1 {
+            FenceOutcome::Applied
+        } else {
+            FenceOutcome::Stale
+        })
+    }
+}
