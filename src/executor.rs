@@ -24,7 +24,7 @@ use crate::actor::completer::{Complete, Completed};
 use crate::context::{CancelReason, JobContext};
 use crate::env::Env;
 use crate::error::Result;
-use crate::handler::AttemptError;
+use crate::handler::{AttemptError, RetryDelay};
 use crate::job::{ClaimedJob, CompleteOutcome, FailOutcome};
 use crate::metrics::Outcome;
 use crate::store::Failure;
@@ -268,7 +268,11 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
         .in_current_span(),
     );
     let token = ctx.token();
-    let run_deadline = tokio::time::sleep(env.config.max_run_time);
+    let max_run_time = handler
+        .policy()
+        .max_run_time
+        .unwrap_or(env.config.max_run_time);
+    let run_deadline = tokio::time::sleep(max_run_time);
     tokio::pin!(run_deadline);
     let lease = lease_watch(ctx);
     tokio::pin!(lease);
@@ -285,7 +289,7 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
             return Attempt::Failed(Failure {
                 reason: format!(
                     "attempt exceeded the maximum run time of {}",
-                    humantime::format_duration(env.config.max_run_time)
+                    humantime::format_duration(max_run_time)
                 ),
                 permanent: false,
                 retry_after: None,
@@ -523,9 +527,23 @@ async fn write_ending(
                 Err(_) => Ended::Unknown,
             }
         }
-        Attempt::Failed(failure) => {
+        Attempt::Failed(mut failure) => {
             tracing::warn!(job = %job.id, kind = %job.kind, attempt = job.attempt, reason = %failure.reason, "leasehold attempt failed");
-            let backoff = env.config.retry.backoff;
+            // The kind's retry delay, unless the error brought its own.
+            let mut backoff = env.config.retry.backoff;
+            if let Some(delay) = env
+                .registry
+                .get(&job.kind)
+                .and_then(|h| h.policy().retry_delay.clone())
+            {
+                match delay {
+                    RetryDelay::Exponential(b) => backoff = b,
+                    fixed if failure.retry_after.is_none() => {
+                        failure.retry_after = fixed.fixed_wait(job.attempt);
+                    }
+                    _ => {}
+                }
+            }
             match with_retries(ctx, env, || env.store.fail(&fence, &failure, &backoff)).await {
                 Ok(FailOutcome::Retrying { .. }) => {
                     env.metrics.incr(|c| &c.failed);

@@ -62,6 +62,41 @@ pub trait Handler: Send + Sync + 'static {
     /// spending an attempt. Default 100.
     const MAX_SNOOZES: u32 = 100;
 
+    /// This kind's attempts, retry delays, run time and priority, where they differ
+    /// from the scheduler's [`Config`](crate::Config). Default: none differ.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use leasehold::{Handler, JobContext, JobError, KindPolicy, RetryDelay};
+    /// struct Webhook;
+    /// impl Handler for Webhook {
+    ///     type Payload = String;
+    ///     type Output = ();
+    ///     const KIND: &'static str = "webhook";
+    ///     fn policy() -> KindPolicy {
+    ///         KindPolicy {
+    ///             max_attempts: Some(8),
+    ///             // 10 s, 1 min, 10 min, then every hour.
+    ///             retry_delay: Some(RetryDelay::Table(vec![
+    ///                 Duration::from_secs(10),
+    ///                 Duration::from_secs(60),
+    ///                 Duration::from_secs(600),
+    ///                 Duration::from_secs(3600),
+    ///             ])),
+    ///             max_run_time: Some(Duration::from_secs(30)),
+    ///             priority: None,
+    ///         }
+    ///     }
+    ///     async fn run(&self, _: JobContext, url: String) -> Result<(), JobError> {
+    /// #       let _ = url;
+    ///         Ok(())
+    ///     }
+    /// }
+    /// ```
+    fn policy() -> KindPolicy {
+        KindPolicy::default()
+    }
+
     /// Run one attempt. `Ok` completes the job with the output as its result; an
     /// error fails the attempt (retried with backoff, or dead when permanent or the
     /// last). The same job may run again after a crash or a lost lease: put each
@@ -72,6 +107,64 @@ pub trait Handler: Send + Sync + 'static {
         ctx: JobContext,
         payload: Self::Payload,
     ) -> impl Future<Output = Result<Self::Output, JobError>> + Send;
+}
+
+/// A job kind's own policies ([`Handler::policy`]); `None` falls back to the
+/// scheduler's [`Config`](crate::Config).
+///
+/// `max_attempts` and `priority` are applied when a job is enqueued through a
+/// [`Scheduler`](crate::Scheduler) that registered the kind, unless the job sets its
+/// own (a priority of 0, the default, counts as not set); a producer enqueueing through
+/// a bare [`Store`](crate::Store) gets the store's defaults. `retry_delay` and
+/// `max_run_time` apply in every process that runs the kind. A lease that expires
+/// (a crashed process) is retried with `Config::retry`, since the reaper may run
+/// where the kind is not registered.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KindPolicy {
+    /// Attempts before a job of this kind is dead.
+    pub max_attempts: Option<i32>,
+    /// How long a failed attempt waits before its retry.
+    pub retry_delay: Option<RetryDelay>,
+    /// An attempt running longer fails with a timeout.
+    pub max_run_time: Option<Duration>,
+    /// The priority of this kind's jobs (lower runs first).
+    pub priority: Option<i16>,
+}
+
+/// How long a failed attempt of a kind waits before its retry. An error with its own
+/// delay ([`JobError::retry_after`]) overrides it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RetryDelay {
+    /// Exponential with jitter, as [`Config::retry`](crate::Config::retry)'s backoff.
+    Exponential(crate::Backoff),
+    /// The same wait after every failure.
+    Fixed(Duration),
+    /// The wait after the first, second, ... failure; the last entry repeats.
+    Table(Vec<Duration>),
+}
+
+impl RetryDelay {
+    /// The longest wait this policy can give (for the effect ledger's retention check).
+    pub(crate) fn longest(&self) -> Duration {
+        match self {
+            RetryDelay::Exponential(b) => b.cap,
+            RetryDelay::Fixed(d) => *d,
+            RetryDelay::Table(t) => t.iter().copied().max().unwrap_or_default(),
+        }
+    }
+
+    /// The wait after failed attempt number `attempt` (1-based), when it is not the
+    /// exponential backoff the store computes.
+    pub(crate) fn fixed_wait(&self, attempt: i32) -> Option<Duration> {
+        match self {
+            RetryDelay::Exponential(_) => None,
+            RetryDelay::Fixed(d) => Some(*d),
+            RetryDelay::Table(t) => {
+                let i = usize::try_from(attempt.max(1) - 1).unwrap_or(0);
+                t.get(i).or(t.last()).copied()
+            }
+        }
+    }
 }
 
 /// Why an attempt did not complete: a failure (retried or dead), or a snooze ("not yet").
@@ -188,6 +281,9 @@ pub(crate) trait ErasedHandler: Send + Sync {
 
     /// [`Handler::MAX_SNOOZES`] of the kind.
     fn max_snoozes(&self) -> u32;
+
+    /// [`Handler::policy`] of the kind.
+    fn policy(&self) -> &KindPolicy;
 }
 
 /// How an attempt ended when it did not succeed (before the executor adds panics and
@@ -201,11 +297,16 @@ pub(crate) enum AttemptError {
     NotStarted,
 }
 
-struct Erased<H>(Arc<H>);
+/// A handler and its kind's policy, read once at registration.
+struct Erased<H>(Arc<H>, KindPolicy);
 
 impl<H: Handler> ErasedHandler for Erased<H> {
     fn max_snoozes(&self) -> u32 {
         H::MAX_SNOOZES
+    }
+
+    fn policy(&self) -> &KindPolicy {
+        &self.1
     }
 
     fn call(
@@ -236,16 +337,22 @@ pub(crate) struct Registry {
 
 impl Registry {
     pub fn insert<H: Handler>(&mut self, handler: H) {
-        self.handlers
-            .insert(H::KIND.to_string(), Arc::new(Erased(Arc::new(handler))));
+        self.handlers.insert(
+            H::KIND.to_string(),
+            Arc::new(Erased(Arc::new(handler), H::policy())),
+        );
     }
 
     pub fn get(&self, kind: &str) -> Option<Arc<dyn ErasedHandler>> {
         self.handlers.get(kind).cloned()
     }
 
-    pub fn contains(&self, kind: &str) -> bool {
-        self.handlers.contains_key(kind)
+    /// Each kind's policy, for the checks at start.
+    pub fn policies(&self) -> Vec<(String, KindPolicy)> {
+        self.handlers
+            .iter()
+            .map(|(k, h)| (k.clone(), h.policy().clone()))
+            .collect()
     }
 
     pub fn kinds(&self) -> Vec<String> {

@@ -24,7 +24,7 @@ pub mod web;
 pub use config::{Config, RetryPolicy};
 pub use context::{CancelReason, EffectKey, JobContext};
 pub use error::{Error, Result};
-pub use handler::{Handler, JobError};
+pub use handler::{Handler, JobError, KindPolicy, RetryDelay};
 pub use job::{
     ClaimedJob, CompleteOutcome, DeadKeyPolicy, Enqueued, FailOutcome, Fence, FenceOutcome,
     Generation, JobEvent, JobId, JobRecord, JobState, NewJob, OwnerId, Unique, UniqueScope,

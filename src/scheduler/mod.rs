@@ -206,8 +206,16 @@ impl Scheduler {
         if self.core.report.initialized() || env.stop_claiming.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
-        if !env.registry.contains(&job.kind) {
+        let Some(handler) = env.registry.get(&job.kind) else {
             return Err(Error::UnknownKind(job.kind.clone()));
+        };
+        // The kind's policy where the job does not set its own (priority 0 is unset).
+        let policy = handler.policy();
+        if job.max_attempts.is_none() {
+            job.max_attempts = policy.max_attempts;
+        }
+        if job.priority == 0 {
+            job.priority = policy.priority.unwrap_or(0);
         }
         let queues = &env.config.queues;
         match &job.queue {

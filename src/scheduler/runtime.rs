@@ -43,7 +43,7 @@ use crate::config::Config;
 use crate::context::CancelReason;
 use crate::env::Env;
 use crate::error::{Error, Result};
-use crate::handler::Registry;
+use crate::handler::{Registry, RetryDelay};
 use crate::job::OwnerId;
 use crate::metrics::Metrics;
 use crate::store::Store;
@@ -73,6 +73,46 @@ struct Started {
     system: System,
 }
 
+/// Each kind's policy ([`crate::Handler::policy`]) must pass what the config must: it is
+/// the config with the kind's values in it (so, say, the effect ledger outlives the
+/// kind's longest retry window).
+fn check_policies(config: &Config, registry: &Registry) -> Result<()> {
+    for (kind, policy) in registry.policies() {
+        let mut c = config.clone();
+        if let Some(n) = policy.max_attempts {
+            c.retry.max_attempts = n;
+        }
+        if let Some(d) = policy.max_run_time {
+            c.max_run_time = d;
+        }
+        match &policy.retry_delay {
+            Some(RetryDelay::Exponential(b)) => c.retry.backoff = *b,
+            Some(RetryDelay::Table(t)) if t.is_empty() => {
+                return Err(Error::Config {
+                    field: "handlers",
+                    reason: format!("kind {kind:?}: its retry delay table is empty"),
+                })
+            }
+            Some(other) => {
+                let longest = other.longest();
+                c.retry.backoff = crate::Backoff {
+                    base: longest,
+                    cap: longest,
+                    jitter: 0.0,
+                };
+            }
+            None => {}
+        }
+        if let Err(Error::Config { field, reason }) = c.validate() {
+            return Err(Error::Config {
+                field: "handlers",
+                reason: format!("kind {kind:?}'s policy: {field} {reason}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Validate, migrate (with the host's pool, from the caller), then start the actors on
 /// the scheduler's own thread.
 pub(super) async fn start(pool: PgPool, config: Config, registry: Registry) -> Result<Arc<Core>> {
@@ -83,6 +123,7 @@ pub(super) async fn start(pool: PgPool, config: Config, registry: Registry) -> R
             reason: "register at least one handler".into(),
         });
     }
+    check_policies(&config, &registry)?;
     let host_store = Store::for_config(pool.clone(), &config)?;
     host_store.migrate().await?;
     let owner = OwnerId::generate();
