@@ -12,6 +12,7 @@ mod executor;
 pub mod handler;
 pub mod job;
 pub mod metrics;
+pub mod periodic;
 #[cfg(feature = "prometheus")]
 pub mod prometheus;
 pub mod scheduler;
@@ -30,5 +31,6 @@ pub use job::{
     Generation, JobEvent, JobId, JobRecord, JobState, NewJob, OwnerId, Unique, UniqueScope,
 };
 pub use metrics::MetricsSnapshot;
+pub use periodic::{CatchUp, Periodic};
 pub use scheduler::{Scheduler, SchedulerBuilder, ShutdownReport};
 pub use store::{Backoff, CancelOutcome, ClaimRequest, Failure, Store, StoreOptions};

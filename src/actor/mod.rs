@@ -17,6 +17,7 @@ pub(crate) mod completer;
 pub(crate) mod dispatch;
 pub(crate) mod lease_renewer;
 pub(crate) mod listener;
+pub(crate) mod periodic;
 pub(crate) mod reaper;
 pub(crate) mod sequencer;
 

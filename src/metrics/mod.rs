@@ -155,6 +155,9 @@ counters! {
     failed,
     /// Attempts that made the job dead.
     dead,
+    /// Jobs enqueued by this scheduler's periodic schedules (one per fire time, across
+    /// every process).
+    periodic_enqueued,
     /// Attempts that snoozed their job (`JobError::snooze`): pending again after the
     /// delay, no attempt spent.
     snoozed,

@@ -42,6 +42,7 @@ use crate::error::{Error, Result};
 use crate::handler::{Handler as JobHandler, Registry};
 use crate::job::{Enqueued, JobId, NewJob, OwnerId};
 use crate::metrics::MetricsSnapshot;
+use crate::periodic::Periodic;
 use crate::store::{QueueStats, ReapReport, Store};
 use runtime::Core;
 
@@ -50,6 +51,7 @@ pub struct SchedulerBuilder {
     pool: PgPool,
     config: Config,
     registry: Registry,
+    schedules: Vec<Periodic>,
 }
 
 impl SchedulerBuilder {
@@ -59,10 +61,18 @@ impl SchedulerBuilder {
         self
     }
 
+    /// Keep a periodic schedule going from this scheduler (and from every other process
+    /// that registers it under the same name: each fire time is enqueued once). Its job
+    /// without a queue goes to this scheduler's first queue. See [`crate::periodic`].
+    pub fn periodic(mut self, schedule: Periodic) -> Self {
+        self.schedules.push(schedule);
+        self
+    }
+
     /// Validate the config, migrate the schema, start the actors (on the scheduler's
     /// own thread). Call it from any async context.
     pub async fn start(self) -> Result<Scheduler> {
-        let core = runtime::start(self.pool, self.config, self.registry).await?;
+        let core = runtime::start(self.pool, self.config, self.registry, self.schedules).await?;
         Ok(Scheduler {
             _guard: Arc::new(DropGuard(core.clone())),
             core,
@@ -116,6 +126,7 @@ impl Scheduler {
             pool,
             config,
             registry: Registry::default(),
+            schedules: Vec::new(),
         }
     }
 

@@ -37,6 +37,7 @@ use crate::actor::claimer::{Claimer, StopClaiming, MAX_CLAIMS_IN_FLIGHT};
 use crate::actor::completer::Completer;
 use crate::actor::lease_renewer::{LeaseRenewer, Running};
 use crate::actor::listener::{Channels, Listener};
+use crate::actor::periodic::PeriodicRunner;
 use crate::actor::reaper::Reaper;
 use crate::actor::{stopped, Metered, Slots, Stop};
 use crate::config::Config;
@@ -46,6 +47,7 @@ use crate::error::{Error, Result};
 use crate::handler::{Registry, RetryDelay};
 use crate::job::OwnerId;
 use crate::metrics::Metrics;
+use crate::periodic::Periodic;
 use crate::store::Store;
 
 /// A running scheduler's parts, shared by its handles.
@@ -54,6 +56,7 @@ pub(super) struct Core {
     pub claimer: Metered<Claimer>,
     pub reaper: Metered<Reaper>,
     listener: Option<Addr<Listener>>,
+    periodic: Option<Addr<PeriodicRunner>>,
     maintenance: std::sync::Mutex<Option<Arbiter>>,
     /// The scheduler's own `System`: its arbiter runs the shutdown.
     system: System,
@@ -69,6 +72,7 @@ struct Started {
     claimer: Metered<Claimer>,
     reaper: Metered<Reaper>,
     listener: Option<Addr<Listener>>,
+    periodic: Option<Addr<PeriodicRunner>>,
     maintenance: Arbiter,
     system: System,
 }
@@ -113,10 +117,36 @@ fn check_policies(config: &Config, registry: &Registry) -> Result<()> {
     Ok(())
 }
 
+/// Schedule names are unique; a schedule's job without a queue goes to the first
+/// configured queue (as an enqueue through the scheduler does).
+fn check_schedules(config: &Config, schedules: &mut [Periodic]) -> Result<()> {
+    let mut names = std::collections::HashSet::new();
+    for p in schedules.iter_mut() {
+        crate::store::check_name("periodic schedule name", p.name())?;
+        if !names.insert(p.name().to_string()) {
+            return Err(Error::Config {
+                field: "periodic",
+                reason: format!("two schedules are named {:?}", p.name()),
+            });
+        }
+        let job = p.job_mut();
+        if job.queue.is_none() {
+            job.queue = Some(config.queues[0].clone());
+        }
+    }
+    Ok(())
+}
+
 /// Validate, migrate (with the host's pool, from the caller), then start the actors on
 /// the scheduler's own thread.
-pub(super) async fn start(pool: PgPool, config: Config, registry: Registry) -> Result<Arc<Core>> {
+pub(super) async fn start(
+    pool: PgPool,
+    config: Config,
+    registry: Registry,
+    mut schedules: Vec<Periodic>,
+) -> Result<Arc<Core>> {
     config.validate()?;
+    check_schedules(&config, &mut schedules)?;
     if registry.kinds().is_empty() {
         return Err(Error::Config {
             field: "handlers",
@@ -155,7 +185,7 @@ pub(super) async fn start(pool: PgPool, config: Config, registry: Registry) -> R
         .spawn(move || {
             let system = System::new();
             system.block_on(async move {
-                let started = build(side, config, registry, host_store, handlers);
+                let started = build(side, config, registry, host_store, handlers, schedules);
                 let _ = tx.send(started);
             });
             // Until the shutdown stops this System.
@@ -175,6 +205,7 @@ pub(super) async fn start(pool: PgPool, config: Config, registry: Registry) -> R
         claimer: s.claimer,
         reaper: s.reaper,
         listener: s.listener,
+        periodic: s.periodic,
         maintenance: std::sync::Mutex::new(Some(s.maintenance)),
         system: s.system,
         handler_runtime: std::sync::Mutex::new(handler_runtime),
@@ -189,6 +220,7 @@ fn build(
     registry: Registry,
     host_store: Store,
     handlers: tokio::runtime::Handle,
+    schedules: Vec<Periodic>,
 ) -> Started {
     let owner = side.owner.clone();
     let metrics = Arc::new(Metrics::default());
@@ -275,11 +307,18 @@ fn build(
             Listener::new(side.pool("listener"), channels, claimer, running, metrics)
         })
     });
+    let periodic = (!schedules.is_empty()).then(|| {
+        let (store, m) = (env.store.clone(), metrics.clone());
+        PeriodicRunner::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+            PeriodicRunner::new(store, schedules, m)
+        })
+    });
     Started {
         env,
         claimer,
         reaper,
         listener,
+        periodic,
         maintenance,
         system: System::current(),
     }
@@ -401,6 +440,9 @@ impl Core {
         env.sequencers.clear();
         for s in &sequencers {
             let _ = s.stop();
+        }
+        if let Some(p) = &self.periodic {
+            let _ = p.send(Stop).await;
         }
         let _ = self.claimer.ask(Stop).await;
         let _ = env.completer.ask(Stop).await;

@@ -471,6 +471,13 @@ impl Store {
             .bind(limit)
             .fetch_one(self.pool())
             .await?;
+        // Periodic fire records past retention: a schedule never fires a time at or
+        // before its `last_fire_at`, so old records guard nothing.
+        sqlx::query(&self.schema().render(PRUNE_FIRES))
+            .bind(secs(keep))
+            .bind(limit)
+            .execute(self.pool())
+            .await?;
         Ok(PruneReport {
             jobs: jobs as u64,
             effects: effects as u64,
@@ -513,6 +520,14 @@ SELECT count(*) FROM gone"#;
 
 /// An effect outcome is kept while its job may run again: a dead job can be retried by
 /// an operator, and a retry must find what its earlier attempts did.
+const PRUNE_FIRES: &str = r#"/* leasehold:prune_periodic_fires */
+DELETE FROM {s}.periodic_fires f
+WHERE (f.name, f.fire_at) IN (
+    SELECT x.name, x.fire_at FROM {s}.periodic_fires x
+    WHERE x.enqueued_at < clock_timestamp() - make_interval(secs => $1)
+    ORDER BY x.enqueued_at
+    LIMIT $2)"#;
+
 pub(super) const PRUNE_EFFECTS: &str = r#"/* leasehold:prune_effects */
 WITH gone AS (
     DELETE FROM {s}.effects e

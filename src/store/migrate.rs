@@ -63,10 +63,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "progress of running jobs",
         include_str!("../../migrations/0009_progress.sql"),
     ),
+    (
+        10,
+        "periodic schedules and their fire times",
+        include_str!("../../migrations/0010_periodic.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 9;
+pub const SCHEMA_VERSION: i32 = 10;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

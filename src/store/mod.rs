@@ -23,6 +23,7 @@ mod keys;
 mod lease;
 mod migrate;
 mod pause;
+mod periodic;
 mod progress;
 mod reap;
 mod schema;
