@@ -124,6 +124,12 @@ pub struct Config {
     /// batcher, and at most `max(concurrency, completion_batch)` jobs wait for that write
     /// before claims pause. Default 16.
     pub concurrency: usize,
+    /// Queues with a limit of their own: at most this many of the queue's jobs held by
+    /// this scheduler at once (running, or claimed and waiting for a slot), so a flooded
+    /// queue cannot take the slots the others need. Each named queue must be in
+    /// `queues`, its limit between 1 and `concurrency`. Queues not named share what the
+    /// limited ones leave. Default: none.
+    pub queue_concurrency: std::collections::BTreeMap<String, usize>,
     /// Lease taken at claim and on each renewal. Default 30 s.
     #[serde(with = "humantime_serde")]
     pub lease: Duration,
@@ -214,6 +220,7 @@ impl Default for Config {
         Config {
             schema: DEFAULT_SCHEMA.into(),
             queues: vec![DEFAULT_QUEUE.into()],
+            queue_concurrency: Default::default(),
             concurrency: DEFAULT_CONCURRENCY,
             lease: DEFAULT_LEASE,
             renew_interval: DEFAULT_RENEW_INTERVAL,
@@ -300,6 +307,26 @@ impl Config {
         }
         for q in &self.queues {
             crate::store::check_name("queue", q).map_err(|e| refuse("queues", e.to_string()))?;
+        }
+        for (q, &n) in &self.queue_concurrency {
+            if !self.queues.contains(q) {
+                return Err(refuse(
+                    "queue_concurrency",
+                    format!(
+                        "{q:?} is not one of this scheduler's queues {:?}",
+                        self.queues
+                    ),
+                ));
+            }
+            if n == 0 || n > self.concurrency {
+                return Err(refuse(
+                    "queue_concurrency",
+                    format!(
+                        "{q:?}: {n} is not between 1 and concurrency ({})",
+                        self.concurrency
+                    ),
+                ));
+            }
         }
         if self.concurrency == 0 {
             return Err(refuse("concurrency", "must be at least 1"));
@@ -437,6 +464,16 @@ impl Config {
     pub fn set(&mut self, field: &str, value: &str) -> Result<()> {
         let mut tree = serde_json::to_value(&*self).expect("a config serializes");
         let pointer = format!("/{}", field.trim().replace('.', "/"));
+        // A queue's own limit may be set before the queue has one.
+        if let Some(queue) = field.trim().strip_prefix("queue_concurrency.") {
+            if let Some(map) = tree
+                .get_mut("queue_concurrency")
+                .and_then(|m| m.as_object_mut())
+            {
+                map.entry(queue.to_string())
+                    .or_insert(serde_json::Value::from(0));
+            }
+        }
         let slot = tree
             .pointer_mut(&pointer)
             .ok_or_else(|| refuse("config", format!("unknown field {field:?}")))?;

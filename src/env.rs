@@ -10,6 +10,7 @@ use crate::actor::claimer::Claimer;
 use crate::actor::completer::Completer;
 use crate::actor::dispatch::{PausedSet, ReadyQueue};
 use crate::actor::lease_renewer::{LeaseRenewer, Running};
+use crate::actor::queue_limits::QueueLimits;
 use crate::actor::sequencer::SequencerHandle;
 use crate::actor::{Metered, Slots};
 use crate::config::Config;
@@ -59,6 +60,8 @@ pub(crate) struct Env {
     /// while every slot was busy); see `actor::dispatch`. Their leases are renewed
     /// meanwhile (they are in `running`).
     pub ready: ReadyQueue,
+    /// Per-queue limits (`Config::queue_concurrency`), counted by `track` and `untrack`.
+    pub queue_limits: QueueLimits,
     /// The queues last seen paused: their claimed-ahead jobs are given back, not started.
     pub paused: PausedSet,
     /// The per-queue gauges last read for a metrics scrape, shared by every clone of
@@ -79,13 +82,25 @@ impl Env {
             self.lease_deadline_after(sent),
         );
         let job = ctx.job();
-        self.running.insert((job.id, job.generation), ctx.clone());
+        if self
+            .running
+            .insert((job.id, job.generation), ctx.clone())
+            .is_none()
+        {
+            self.queue_limits.held(&job.queue, true);
+        }
         ctx
     }
 
     /// Stop tracking an attempt (its ending was written, or it was released).
     pub fn untrack(&self, ctx: &JobContext) {
-        self.running.remove(&(ctx.job_id(), ctx.generation()));
+        if self
+            .running
+            .remove(&(ctx.job_id(), ctx.generation()))
+            .is_some()
+        {
+            self.queue_limits.held(ctx.queue(), false);
+        }
     }
 
     /// The local deadline of a lease the database confirmed for a statement sent at

@@ -251,14 +251,27 @@ impl Claimer {
             // Every slot is busy and the queue full; a finishing job wakes us.
             return;
         }
+        // Queues at their own limit (`Config::queue_concurrency`) take no part.
+        let plan = self.env.queue_limits.plan(&cfg.queues, want);
+        let planned: usize = plan.iter().map(|p| p.1).sum();
+        let (slots, want) = if planned < want {
+            self.env.slots.give_back(slots.saturating_sub(planned));
+            (slots.min(planned), planned)
+        } else {
+            (slots, want)
+        };
+        if want == 0 {
+            self.more_waiting = true;
+            return;
+        }
         self.claiming += 1;
         let budget_binds =
             byte_room < (want as i64).saturating_mul(cfg.store.max_payload_bytes as i64);
         let req = ClaimRequest {
             owner: self.env.owner.clone(),
-            queues: cfg.queues.clone(),
+            queues: Vec::new(),
             kinds: Some(self.env.kinds.clone()),
-            limit: want as i64,
+            limit: 0,
             byte_budget: byte_room,
             first_over_budget: nothing_held,
             lease: cfg.lease,
@@ -266,11 +279,13 @@ impl Claimer {
         };
         let store = self.env.claim_store.clone();
         let started = Instant::now();
+        let parts = plan.clone();
         ctx.spawn(
-            async move { store.claim_sent(&req).await }
+            async move { claim_parts(&store, req, &parts).await }
                 .into_actor(self)
-                .map(move |res, act, ctx| {
+                .map(move |(claimed, res), act, ctx| {
                     act.claiming -= 1;
+                    act.env.queue_limits.settle(&plan);
                     let env = act.env.clone();
                     let took = started.elapsed();
                     env.metrics.record_claim(took);
@@ -282,15 +297,25 @@ impl Claimer {
                     }
                     env.metrics.incr(|c| &c.claims);
                     let cfg = &env.config;
+                    // A later statement of the round failed: what the earlier ones
+                    // claimed is ours all the same.
+                    let res = match res {
+                        Err(e) if !claimed.is_empty() => {
+                            env.metrics.incr(|c| &c.db_errors);
+                            tracing::warn!(error = %e, "leasehold claim failed for some queues; retrying");
+                            Ok(claimed)
+                        }
+                        other => other.map(|()| claimed),
+                    };
                     match res {
-                        Ok((jobs, sent)) => {
+                        Ok(jobs) => {
                             let got = jobs.len();
                             env.slots.give_back(slots.saturating_sub(got));
                             env.metrics.add(|c| &c.claimed, got as u64);
                             env.metrics
                                 .add(|c| &c.claimed_ahead, got.saturating_sub(slots) as u64);
                             hold(&env, got);
-                            for (n, job) in jobs.into_iter().enumerate() {
+                            for (n, (job, sent)) in jobs.into_iter().enumerate() {
                                 env.slots.hold_bytes(job.payload_bytes);
                                 // Renewed from this moment, whatever waits before it runs.
                                 let ctx = env.track(job, sent);
@@ -329,6 +354,35 @@ impl Claimer {
                 }),
         );
     }
+}
+
+/// Run a claim round's statements in turn (one per limited queue, one for the rest;
+/// usually just one), each within the byte budget the earlier ones left. Returns every
+/// job claimed with the moment its statement was sent, and the error that stopped the
+/// round, if one did: the jobs claimed before it are still ours and must be tracked.
+async fn claim_parts(
+    store: &crate::store::Store,
+    mut req: ClaimRequest,
+    parts: &[super::queue_limits::ClaimPart],
+) -> (
+    Vec<(crate::job::ClaimedJob, Instant)>,
+    crate::error::Result<()>,
+) {
+    let mut claimed = Vec::new();
+    for (queues, limit) in parts {
+        req.queues.clone_from(queues);
+        req.limit = *limit as i64;
+        match store.claim_sent(&req).await {
+            Ok((jobs, sent)) => {
+                let bytes: i64 = jobs.iter().map(|j| j.payload_bytes as i64).sum();
+                req.byte_budget = (req.byte_budget - bytes).max(0);
+                req.first_over_budget &= jobs.is_empty();
+                claimed.extend(jobs.into_iter().map(|j| (j, sent)));
+            }
+            Err(e) => return (claimed, Err(e)),
+        }
+    }
+    (claimed, Ok(()))
 }
 
 impl Claimer {

@@ -18,6 +18,7 @@ pub(crate) mod dispatch;
 pub(crate) mod lease_renewer;
 pub(crate) mod listener;
 pub(crate) mod periodic;
+pub(crate) mod queue_limits;
 pub(crate) mod reaper;
 pub(crate) mod sequencer;
 

@@ -170,6 +170,12 @@ impl Sequencer {
             self.next_or_idle(ctx);
             return;
         }
+        // Within the queue's own limit (`Config::queue_concurrency`).
+        if !self.env.queue_limits.reserve_one(&self.key.0) {
+            self.env.slots.give_back(1);
+            self.next_or_idle(ctx);
+            return;
+        }
         // Fetch the key's next job with the slot just taken.
         self.fetching = true;
         let env = self.env.clone();
@@ -183,6 +189,7 @@ impl Sequencer {
             .into_actor(self)
             .map(move |res, act, ctx| {
                 act.fetching = false;
+                act.env.queue_limits.settle_one(&act.key.0);
                 match res {
                     Ok(Some((job, sent))) => {
                         act.env.metrics.incr(|c| &c.claimed);

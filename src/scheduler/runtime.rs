@@ -38,6 +38,7 @@ use crate::actor::completer::Completer;
 use crate::actor::lease_renewer::{LeaseRenewer, Running};
 use crate::actor::listener::{Channels, Listener};
 use crate::actor::periodic::PeriodicRunner;
+use crate::actor::queue_limits::QueueLimits;
 use crate::actor::reaper::Reaper;
 use crate::actor::{stopped, Metered, Slots, Stop};
 use crate::config::Config;
@@ -290,6 +291,7 @@ fn build(
         hard_stop: CancellationToken::new(),
         ready: Default::default(),
         paused: Default::default(),
+        queue_limits: QueueLimits::new(&config.queue_concurrency),
         #[cfg(feature = "prometheus")]
         gauge_cache: Default::default(),
         config: config.clone(),
