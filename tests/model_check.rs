@@ -14,11 +14,16 @@
 //!
 //! # Claim-ahead
 //! `claim_ahead_keeps_every_property_with_give_back_and_shutdown` checks the ready queue
-//! (jobs claimed beyond the free slots, the give-back after a lease, the release at
-//! shutdown, a give-back whose reply is lost) in its own smaller configuration; two
-//! defect tests show what breaks when a job claimed ahead is not renewed, and when a
-//! give-back whose reply was lost keeps its jobs to start (what src/actor/dispatch.rs did
-//! before it was fixed).
+//! (jobs claimed beyond the free slots, the give-back after a lease and at shutdown) in
+//! its own smaller configuration. The give-back is modelled as src/actor/dispatch.rs does
+//! it (`release_ready`, `give_back`, `release_retrying`): the jobs never start here
+//! again, stay tracked and renewed while their RELEASE is retried, and leave when one is
+//! answered, a renewal finds them no longer ours, or no answer comes for a lease; a
+//! RELEASE that commits with its reply lost, and one that gets no answer after a lease,
+//! are among the faults explored. Two tests walk those two paths step by step; two defect
+//! tests show what breaks when a job claimed ahead is not renewed, and when a give-back
+//! whose reply was lost puts its jobs back in the ready queue (what dispatch.rs did before
+//! the chaos harness found it).
 //!
 //! # Liveness
 //! Every exhaustive check also checks liveness under weak fairness (`tests/model/
@@ -28,25 +33,28 @@
 //! itself telling a fair cycle from one that starves a step.
 //!
 //! # Time
-//! About 33 s in a debug build on 2 quiet cores: the bounded check (1,772,416 states,
-//! 32 s) and the fencing-store check (1,367,070 states, 23 s) run in parallel, one thread
-//! each, and dominate; the rest take about 2 s together.
+//! About 34 s in a debug build on 2 cores: the bounded check (1,902,030 states, 32 s)
+//! and the fencing-store check (1,624,792 states, 26 s) run in parallel, one thread each,
+//! and dominate; the rest take about 2 s together (claim-ahead: 144,333 states, 1.8 s).
 
 mod model;
 
+use model::actions::Action;
 use model::config::{EffectStore, JobSpec};
 use model::liveness::{fair_trap, Graph};
 use model::properties::{
     CURRENT_NOT_FENCED, EFFECT_ONCE, FAIR_END, HEALTHY_KEEPS_LEASES, NO_OVERLAP, NO_STRANDED_KEY,
     START_ORDER, START_UNDER_LEASE,
 };
-use model::state::Budget;
-use model::{counterexamples_of, explore, Config, Explored, Found};
+use model::state::{Budget, JobState, Phase, Reply, State};
+use model::{counterexamples_of, explore, Config, Explored, Found, Leasehold};
 
-/// Unique states the bounded check must reach at least (it reached 1,772,416 when this
-/// was written; 680,734 with 1 slot per process, which it checked before the exploration
-/// became one pass): a model change that silently cuts the exploration short fails here.
-const BOUNDED_FLOOR: usize = 1_600_000;
+/// Unique states the bounded check must reach at least: a model change that silently
+/// cuts the exploration short fails here. It reached 1,902,030 once a given-back job
+/// stayed tracked while its RELEASE is retried (a step of its own after the give-back
+/// pass, as in dispatch.rs); 1,772,416 before, when the pass released at once; 680,734
+/// with 1 slot per process, before the exploration became one pass.
+const BOUNDED_FLOOR: usize = 1_800_000;
 
 fn report(what: &str, out: &Explored) {
     println!(
@@ -310,24 +318,116 @@ fn job_claimed_ahead_and_not_renewed_while_it_waits_is_reaped_from_a_healthy_pro
     );
 }
 
-#[test]
-fn give_back_whose_reply_is_lost_must_not_keep_the_jobs_waiting() {
-    // RELEASE committed (the job is pending, anyone may claim it) but its reply was
-    // lost: src/actor/dispatch.rs `release_ready` used to put such jobs back in the ready
-    // queue, and a slot that frees starts one before the next renewal tells it the
-    // lease is gone: a handler without a lease.
+/// Claim-ahead with one give-back RELEASE that gets no answer, and no other fault.
+fn claim_ahead_one_lost_reply() -> Config {
     let quiet = claim_ahead_quiet();
-    let one_lost_reply = Config {
+    Config {
         budget: Budget {
             lost_replies: 1,
             faults: 1,
             ..quiet.budget
         },
         ..quiet
-    };
+    }
+}
+
+/// Takes `steps` from the initial state, each of which must be enabled where it is
+/// taken and keep every safety property; returns the state after each.
+fn walk(cfg: Config, steps: &[Action]) -> (Leasehold, Vec<State>) {
+    let m = Leasehold::new(cfg);
+    let properties = stateright::Model::properties(&m);
+    let mut states = vec![State::initial(&m.cfg)];
+    let mut enabled = Vec::new();
+    for a in steps {
+        let s = states.last().expect("a state");
+        enabled.clear();
+        m.enabled(s, &mut enabled);
+        assert!(enabled.contains(a), "{a:?} not enabled: {enabled:?}");
+        let next = m.step(s, *a).unwrap_or_else(|| s.clone());
+        for p in &properties {
+            assert!((p.condition)(&m, &next), "{a:?} broke {:?}", p.name);
+        }
+        states.push(next);
+    }
+    (m, states)
+}
+
+/// p0 claims j0 into its slot and j1 (the host's job, committed) ahead; j1 waits a lease
+/// and is given back: its RELEASE is yet to run.
+const GIVEN_BACK: [Action; 7] = [
+    Action::HostEnqueue,
+    Action::HostCommit,
+    Action::Claim(0),
+    Action::Tick,
+    Action::Tick,
+    Action::Tick,
+    Action::GiveBack(0),
+];
+
+fn given_back(s: &State, job: u8) -> bool {
+    s.attempt(0, job, 1)
+        .is_some_and(|a| matches!(a.phase, Phase::GivenBack { .. }))
+}
+
+#[test]
+fn give_back_whose_reply_is_lost_stays_renewed_until_a_renewal_finds_it_not_ours() {
+    // dispatch.rs `release_retrying`: the RELEASE commits and its reply is lost. The job
+    // is pending, nothing in p0 may start it, and it stays tracked; the next renewal
+    // finds it no longer p0's and the retries end.
+    let mut steps = GIVEN_BACK.to_vec();
+    steps.push(Action::Release(0, 1, 1, Reply::LostAfterCommit));
+    steps.push(Action::Tick);
+    let (m, states) = walk(claim_ahead_one_lost_reply(), &steps);
+    let lost = &states[steps.len() - 1];
+    assert_eq!(lost.rows[1].state, JobState::Pending);
+    assert!(given_back(lost, 1), "retried: still tracked");
+    let mut enabled = Vec::new();
+    m.enabled(lost, &mut enabled);
+    assert!(!enabled.iter().any(|a| matches!(a, Action::Start(_, 1, ..))));
+    let renewed = states.last().expect("a state");
+    assert!(
+        renewed.attempt(0, 1, 1).is_none(),
+        "a renewal ends the retries"
+    );
+    assert_eq!(renewed.rows[1].state, JobState::Pending);
+}
+
+#[test]
+fn give_back_without_an_answer_for_a_lease_drops_its_jobs_to_expire() {
+    // Renewed while the RELEASE is retried (its lease never passes), then no answer once
+    // a lease has passed since the give-back: dropped, no longer renewed, and its lease
+    // expires; the reaper puts it back (no healthy process lost a lease it held).
+    let mut steps = GIVEN_BACK.to_vec();
+    steps.extend([Action::Tick, Action::Tick, Action::Tick]);
+    let (_, before) = walk(claim_ahead_one_lost_reply(), &steps);
+    let row = before.last().expect("a state").rows[1];
+    assert!(given_back(before.last().expect("a state"), 1));
+    assert_eq!(
+        (row.state, row.owner, row.lease_left),
+        (JobState::Running, 0, 2)
+    );
+    steps.push(Action::Release(0, 1, 1, Reply::NotCommitted));
+    steps.extend([Action::Tick, Action::Tick, Action::Tick, Action::Tick]);
+    let (_, after) = walk(claim_ahead_one_lost_reply(), &steps);
+    let dropped = &after[steps.len() - 4];
+    assert!(dropped.attempt(0, 1, 1).is_none());
+    assert_eq!(dropped.rows[1].state, JobState::Running);
+    assert_eq!(
+        after.last().expect("a state").rows[1].state,
+        JobState::Pending
+    );
+}
+
+#[test]
+fn give_back_whose_reply_is_lost_must_not_keep_the_jobs_waiting() {
+    // RELEASE committed (the job is pending, anyone may claim it) but its reply was
+    // lost: src/actor/dispatch.rs `release_ready` used to put such jobs back in the ready
+    // queue, and a slot that frees starts one before the next renewal tells it the
+    // lease is gone: a handler without a lease. (Hardened, the same configuration keeps
+    // every property: the job stays given back, renewed, and never starts.)
     assert_found(
         "give-back keeps jobs after a lost reply",
-        one_lost_reply,
+        claim_ahead_one_lost_reply(),
         |c| c.defects.give_back_error_keeps_jobs = true,
         &[START_UNDER_LEASE],
     );

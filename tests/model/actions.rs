@@ -8,7 +8,7 @@ use stateright::Model;
 
 use super::config::{Config, JobId, ProcId};
 use super::properties;
-use super::state::{Effect, Ending, Host, JobState, Phase, Renewer, Spend, State, Up};
+use super::state::{Effect, Ending, Host, JobState, Phase, Renewer, Reply, Spend, State, Up};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
@@ -23,9 +23,12 @@ pub enum Action {
     /// queue back.
     Claim(ProcId),
     /// The claimer's give-back pass: jobs that waited a lease in the ready queue are
-    /// released; `true`: RELEASE commits but its reply is lost (a fault).
-    GiveBack(ProcId, bool),
-    /// Graceful shutdown begins: claiming stops, the ready queue is released.
+    /// taken off it, given back (still tracked, never to start here).
+    GiveBack(ProcId),
+    /// One RELEASE of a given-back job (`release_retrying`), and how it turns out:
+    /// answered, or (a fault) no answer, committed or not.
+    Release(ProcId, JobId, u8, Reply),
+    /// Graceful shutdown begins: claiming stops, the ready queue is given back.
     Shutdown(ProcId),
     /// A ready attempt starts its handler, which calls `once` (ledger lookup, then the
     /// request to the effect store); `true`: the handler returns an error first. Without
@@ -73,15 +76,20 @@ impl Action {
                 p(x),
                 "claimer: dispatch.rs start_ready; claim.rs CLAIM; dispatch/wait_for_slot",
             ),
-            GiveBack(x, false) => (
+            GiveBack(x) => (
                 p(x),
-                "give-back: dispatch.rs release_ready; fail.rs RELEASE",
+                "claim_after: dispatch.rs release_ready(waited a lease)",
             ),
-            GiveBack(x, true) => (
-                p(x),
-                "give-back: fail.rs RELEASE commits, its reply is lost",
-            ),
-            Shutdown(x) => (p(x), "StopClaiming: release_ready(None); fail.rs RELEASE"),
+            Release(x, .., Reply::Answered) => {
+                (p(x), "release_retrying: fail.rs RELEASE, answered; untrack")
+            }
+            Release(x, .., Reply::LostAfterCommit) => {
+                (p(x), "release_retrying: fail.rs RELEASE commits; no reply")
+            }
+            Release(x, .., Reply::NotCommitted) => {
+                (p(x), "release_retrying: no answer, a lease passed: drop")
+            }
+            Shutdown(x) => (p(x), "StopClaiming: dispatch.rs release_ready(All)"),
             Start(x, .., false) => (p(x), "attempt_once: lease check, handler, once() acts"),
             Start(x, .., true) => (p(x), "attempt_once: lease check, handler errs"),
             Deliver(_) => ("store".into(), "effect store takes the request"),
@@ -152,6 +160,21 @@ impl Leasehold {
                         out.push(Action::Record(p, j, g))
                     }
                     Phase::Handler(Effect::Refused) => out.push(Action::Record(p, j, g)),
+                    Phase::GivenBack { give_up } if !s.row_locked(cfg, j) => {
+                        out.push(Action::Release(p, j, g, Reply::Answered));
+                        if s.budget.allows(Spend::LostReply) {
+                            // A lost reply of a RELEASE that matched no row is no
+                            // different from one that never arrived.
+                            if s.fence_ok(j, p, g) {
+                                out.push(Action::Release(p, j, g, Reply::LostAfterCommit));
+                            }
+                            // Before the give-up, an `Err` without a commit changes
+                            // nothing: the next try is the same step.
+                            if give_up == 0 {
+                                out.push(Action::Release(p, j, g, Reply::NotCommitted));
+                            }
+                        }
+                    }
                     // Its UPDATE waits while another transaction has the row.
                     Phase::Ending(e) if !s.row_locked(cfg, j) => {
                         out.push(Action::End(p, j, g, false));
@@ -166,10 +189,7 @@ impl Leasehold {
                 out.push(Action::Claim(p));
             }
             if running && s.overdue(cfg, p) {
-                out.push(Action::GiveBack(p, false));
-                if s.budget.allows(Spend::LostReply) {
-                    out.push(Action::GiveBack(p, true));
-                }
+                out.push(Action::GiveBack(p));
             }
             if proc.up == Up::Running && s.budget.allows(Spend::Shutdown) {
                 out.push(Action::Shutdown(p));
@@ -246,7 +266,8 @@ impl Leasehold {
             HostCommit => n.host_commit(cfg),
             HostRollback => n.host = Host::Over,
             Claim(p) => n.claim_step(cfg, p),
-            GiveBack(p, lost) => n.give_back(cfg, p, lost),
+            GiveBack(p) => n.give_back(cfg, p),
+            Release(p, j, g, reply) => n.release_step(cfg, p, j, g, reply),
             Shutdown(p) => n.shutdown(cfg, p),
             Start(p, j, g, fails) => n.start(cfg, p, j, g, fails),
             Deliver(i) => n.deliver(cfg, i as usize),

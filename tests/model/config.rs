@@ -73,9 +73,13 @@ pub struct Defects {
     /// A job claimed ahead is not in the renewal registry while it waits in the ready
     /// queue (the code tracks it from its claim: `Env::track` in the claimer).
     pub ahead_not_renewed: bool,
-    /// A give-back whose RELEASE committed but whose reply was lost keeps the jobs in
-    /// the ready queue, as if still held (the `Err` arm of dispatch.rs `release_ready`
-    /// for `older_than: Some(_)`). Hardened: they are dropped (their leases tell).
+    /// A give-back whose RELEASE got no answer puts its jobs back in the ready queue, as
+    /// if still held (the `Err` arm of dispatch.rs `release_ready` before the chaos
+    /// harness found it): when that RELEASE committed with its reply lost, a slot that
+    /// frees starts a job that is pending, perhaps already someone else's. Hardened, as
+    /// `release_retrying` does: a given-back job never starts here again; it stays
+    /// tracked (renewed) while the RELEASE is retried, until one is answered, a renewal
+    /// finds the job no longer ours, or a lease has passed.
     pub give_back_error_keeps_jobs: bool,
     /// A reaper that never requeues: REAP records the expiry and leases the row again to
     /// its owner instead of putting it back (as a reaper that trusts owners to be alive
@@ -149,7 +153,7 @@ impl Config {
     /// Claim-ahead (the default path of the code, `Config::claim_ahead`): 2 jobs on 2
     /// keys (the second enqueued by the host transaction), 2 processes of 1 slot with
     /// room for 1 job claimed ahead; one fault of any kind, a graceful shutdown and a
-    /// give-back whose reply is lost among them; no operator action. (Claim-ahead on
+    /// give-back's RELEASE without an answer among them; no operator action. (Claim-ahead on
     /// top of [`Config::bounded`] is more than `cargo test` can exhaust.)
     pub fn claim_ahead() -> Config {
         let mut cfg = Config::sized(2, 2, 2);

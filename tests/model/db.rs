@@ -250,7 +250,8 @@ impl State {
         let r = self.rows[job as usize];
         let owner = r.owner;
         // A lease its owner let go (a RELEASE that left a cancelled job's row to its
-        // expiry, a give-back whose reply was lost) is no loss of a healthy process.
+        // expiry, a give-back dropped after a lease without an answer) is no loss of a
+        // healthy process.
         let healthy = self.procs[owner as usize].up != Up::Crashed
             && self.ghost.faulted & (1 << owner) == 0
             && self.attempt(owner, job, r.generation).is_some();

@@ -5,9 +5,10 @@
 //! allows"), every fair path of the fault-free system reaches a settled state
 //! ([`super::properties::settled`]: every job done, dead, cancelled or pruned, or waiting
 //! for an operator). The fault-free system drops the steps [`class_of`] gives no class:
-//! crashes, pauses, graceful shutdowns, lost replies, handler errors, and every operator
-//! action. The host transaction is not a fault: the host begins it and ends it (commit or
-//! rollback) like any other actor, and a host that never ends it blocks its key by design.
+//! crashes, pauses, graceful shutdowns, a give-back's RELEASE without an answer, handler
+//! errors, and every operator action. The host transaction is not a fault: the host
+//! begins it and ends it (commit or rollback) like any other actor, and a host that never
+//! ends it blocks its key by design.
 //!
 //! # Fairness
 //! Weak fairness per class: a class of steps that stays enabled (some step of it changes
@@ -19,8 +20,8 @@
 //! that is possible only intermittently may lose every race.
 //!
 //! The classes are what one actor does for one thing: each attempt's steps by its job and
-//! generation (start, record, write the ending, resume it; an attempt belongs to the one
-//! process that claimed it), the effect store's answer to each request, each blocked
+//! generation (start, record, write the ending, resume it, a given-back job's answered
+//! RELEASE; an attempt belongs to the one process that claimed it), the effect store's answer to each request, each blocked
 //! reap, the clock, the host. A process's claimer, give-back pass, blocked renewal and
 //! pause end are one class each over all processes ("some process claims"), because
 //! states are explored up to process renaming ([`super::state::State::representative`])
@@ -55,7 +56,7 @@
 use std::collections::VecDeque;
 
 use super::actions::Action;
-use super::state::State;
+use super::state::{Reply, State};
 
 /// A class of fault-free steps that weak fairness treats as one: kind, job, generation.
 pub type Class = u32;
@@ -72,6 +73,7 @@ const END: u32 = 8;
 const RESUME: u32 = 9;
 const DELIVER: u32 = 10;
 const RESUME_REAP: u32 = 11;
+const RELEASE: u32 = 12;
 
 fn class(kind: u32, job: u8, gen: u8) -> Class {
     kind << 16 | (job as u32) << 8 | gen as u32
@@ -86,7 +88,8 @@ pub fn class_of(s: &State, a: &Action) -> Option<Class> {
         Tick => class(TICK, 0, 0),
         HostEnqueue | HostCommit | HostRollback => class(HOST, 0, 0),
         Claim(_) => class(CLAIM, 0, 0),
-        GiveBack(_, false) => class(GIVE_BACK, 0, 0),
+        GiveBack(_) => class(GIVE_BACK, 0, 0),
+        Release(_, j, g, Reply::Answered) => class(RELEASE, j, g),
         Unpause(_) => class(UNPAUSE, 0, 0),
         RenewResume(_) => class(RENEW_RESUME, 0, 0),
         Start(_, j, g, false) => class(START, j, g),
@@ -101,7 +104,7 @@ pub fn class_of(s: &State, a: &Action) -> Option<Class> {
         Crash(_)
         | Pause(_)
         | Shutdown(_)
-        | GiveBack(_, true)
+        | Release(..)
         | Start(.., true)
         | Cancel(_)
         | Hold(_)
@@ -127,6 +130,7 @@ pub fn class_name(c: Class) -> String {
         RESUME => named("ending resumes"),
         DELIVER => named("effect store answers"),
         RESUME_REAP => format!("reap resumes j{j}"),
+        RELEASE => named("release answered"),
         _ => unreachable!("class {c}"),
     }
 }

@@ -7,12 +7,13 @@
 //! four) scheduler processes, each with its slots, claimer (claim statement for the free
 //! slots and the ready queue's room, `Config::claim_ahead`), ready queue (src/actor/
 //! dispatch.rs: jobs claimed ahead and chained successors waiting for a slot, given back
-//! after a lease, released at shutdown), per-key sequencers (attempts queued behind the
-//! key's running one), executor (lease check, handler with one effect through
+//! after a lease and at shutdown: tracked and renewed, never started again, while
+//! `release_retrying` retries their RELEASE), per-key sequencers (attempts queued behind
+//! the key's running one), executor (lease check, handler with one effect through
 //! `JobContext::once`, ending), completer (`complete_keyed`: key rows locked first with
 //! SKIP LOCKED, 'busy' completions written again waiting for the key row; chained
 //! successor claims), lease renewer (renewal registry, local deadlines), the reaper, and
-//! graceful shutdown (claiming stops, the ready queue is released). A host
+//! graceful shutdown (claiming stops, the ready queue is given back). A host
 //! transaction that enqueues a job with `enqueue_in` and holds its key row until it
 //! commits or rolls back. The operator's cancel, hold, release, retry_dead and prune.
 //! Crashes and pauses of a process. An external effect store that deduplicates by
@@ -24,7 +25,7 @@
 //!
 //! # What is abstracted, and why
 //! Each of these keeps the state space small enough to be exhausted in `cargo test`
-//! (about 1.8 million states for 3 jobs, 2 keys, 2 processes of 2 slots) without removing an
+//! (about 1.9 million states for 3 jobs, 2 keys, 2 processes of 2 slots) without removing an
 //! interleaving that a property depends on:
 //! - Time is relative ([`state`]): deadlines are "ticks left", clamped where smaller
 //!   values behave alike, so the clock runs forever in a finite space. Lease 2 ticks,
@@ -57,7 +58,11 @@
 //! - Budgets bound faults and operator actions: [`config::Config::bounded`] allows one
 //!   fault (a crash, a pause or a handler error) and one operator action per run;
 //!   [`config::Config::claim_ahead`] one fault of any kind, a graceful shutdown and a
-//!   give-back whose reply is lost among them.
+//!   give-back's RELEASE without an answer (committed with its reply lost, or not
+//!   committed once a lease has passed) among them.
+//! - A give-back's RELEASE is retried per job (the code releases the batch in one
+//!   statement: per job only adds interleavings); queue pauses, which give jobs back
+//!   by the same path, are not modelled.
 //!
 //! # Properties
 //! See [`properties`]: no two handlers of a key run at once; a key's handlers start

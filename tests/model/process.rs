@@ -9,8 +9,21 @@
 //! ahead of the free slots (`Config::claim_ahead`, [`Config::ahead`] here) and chained
 //! successors that found no slot. They are tracked and renewed from their claim; the
 //! handler's start checks the lease as for any attempt. A job that waited longer than a
-//! lease is given back (the claimer's give-back pass: `release_ready` with a lease,
-//! then RELEASE), and shutdown gives back the whole queue at once.
+//! lease is given back (the claimer's give-back pass: `release_ready` with
+//! `GiveBack::WaitedLongerThan(lease)`), and shutdown gives back the whole queue at once
+//! (`GiveBack::All`).
+//!
+//! # Give-back
+//! As in src/actor/dispatch.rs (`release_ready`, `give_back`, `release_retrying`): a job
+//! given back leaves the ready queue and never starts in this process again, but stays
+//! tracked, so the renewer renews it, until its release is settled. Each RELEASE
+//! ([`State::release_step`]) is fenced; answered, the job is untracked; without an
+//! answer (a fault) it is tried again, unless a lease has passed since the give-back, and
+//! then the job is dropped (a row still running expires and the reaper takes it). A
+//! renewal that finds the job no longer ours (a RELEASE that committed with its reply
+//! lost, or an expiry) ends the retries for it. Given back for a paused queue
+//! (`GiveBack::OfPausedQueues`, `start_ready`) is the same path; queue pauses are not
+//! modelled.
 //!
 //! The claim statement is one step; the slots it reserves while in flight (`Slots::take`
 //! before CLAIM) matter only to a chained successor arriving meanwhile, which then finds
@@ -23,7 +36,9 @@
 use super::config::EffectStore;
 use super::config::{Config, JobId, ProcId};
 use super::db::Written;
-use super::state::{broken, Attempt, Effect, Ending, Phase, Renewer, Request, Spend, State, Up};
+use super::state::{
+    broken, Attempt, Effect, Ending, Phase, Renewer, Reply, Request, Spend, State, Up,
+};
 
 impl Config {
     /// A fresh local deadline: sent + lease - margin (0 and never lowered without one).
@@ -62,12 +77,13 @@ impl State {
         })
     }
 
-    /// In the renewal registry. Hardened: from the claim on (`Env::track`). Old: from
-    /// the start of `attempt_once` (ready: its sequencer or task runs it now), so jobs in
-    /// the ready queue and in a sequencer's backlog were not; or (a defect of claim-ahead)
-    /// only jobs in the ready queue were not.
+    /// In the renewal registry. Hardened: from the claim on (`Env::track`) until the
+    /// ending is written or, given back, `give_back` untracks it. Old: from the start of
+    /// `attempt_once` (ready: its sequencer or task runs it now), so jobs in the ready
+    /// queue (or given back from it) and in a sequencer's backlog were not; or (a defect
+    /// of claim-ahead) only jobs in the ready queue (or given back from it) were not.
     pub fn registered(&self, cfg: &Config, a: &Attempt) -> bool {
-        let waiting = matches!(a.phase, Phase::ReadyQueue { .. });
+        let waiting = matches!(a.phase, Phase::ReadyQueue { .. } | Phase::GivenBack { .. });
         let backlog = a.phase == Phase::Queued;
         let d = &cfg.defects;
         !(d.renewal_from_handler_start && (waiting || backlog) || d.ahead_not_renewed && waiting)
@@ -222,39 +238,63 @@ impl State {
             .any(|a| matches!(a.phase, Phase::ReadyQueue { waited } if waited > cfg.lease))
     }
 
-    /// The claimer's give-back pass (dispatch.rs `release_ready` with `older_than` a
-    /// lease): jobs that waited longer than a lease leave the queue and are released.
-    /// `lost_reply`: RELEASE committed but its reply was lost; the code then puts them
-    /// back in the queue ([`super::config::Defects::give_back_error_keeps_jobs`]),
-    /// hardened they are dropped.
-    pub fn give_back(&mut self, cfg: &Config, p: ProcId, lost_reply: bool) {
-        if lost_reply {
-            self.budget.spend(Spend::LostReply);
-        }
-        let old: Vec<Attempt> = self
-            .ready_queue(p)
-            .into_iter()
-            .filter(|a| matches!(a.phase, Phase::ReadyQueue { waited } if waited > cfg.lease))
-            .collect();
+    /// The claimer's give-back pass (`Claimer::claim_after`: dispatch.rs `release_ready`
+    /// with `GiveBack::WaitedLongerThan(lease)`, then `ahead_paused`): jobs that waited
+    /// longer than a lease leave the queue, given back ([`State::release_step`]).
+    pub fn give_back(&mut self, cfg: &Config, p: ProcId) {
         self.procs[p as usize].ahead_paused = true;
-        for a in old {
-            self.release(cfg, a.job, p, a.gen);
-            if !(lost_reply && cfg.defects.give_back_error_keeps_jobs) {
-                self.remove_attempt(p, a.job, a.gen);
+        for a in self.ready_queue(p) {
+            if matches!(a.phase, Phase::ReadyQueue { waited } if waited > cfg.lease) {
+                self.hand_back(cfg, p, a);
             }
         }
     }
 
-    /// dispatch.rs `release_ready(None)`: the whole ready queue is released at once.
+    /// dispatch.rs `release_ready(GiveBack::All)`: the whole ready queue is given back.
     fn release_ready(&mut self, cfg: &Config, p: ProcId) {
         for a in self.ready_queue(p) {
-            self.release(cfg, a.job, p, a.gen);
-            self.remove_attempt(p, a.job, a.gen);
+            self.hand_back(cfg, p, a);
+        }
+    }
+
+    /// dispatch.rs `give_back`: off the ready queue, still tracked; `release_retrying`
+    /// gives up a lease from now.
+    fn hand_back(&mut self, cfg: &Config, p: ProcId, a: Attempt) {
+        let give_up = cfg.lease;
+        self.set_phase(p, a.job, a.gen, Phase::GivenBack { give_up });
+    }
+
+    /// One RELEASE of dispatch.rs `release_retrying` for a given-back job: fail.rs RELEASE
+    /// (`Store::release_many`), fenced, so it matches no row once the job is not ours.
+    /// Answered (`Ok`): `release_retrying` returns and `give_back` untracks the job.
+    /// Not answered (`Err`, a fault; the statement committed or not): tried again while
+    /// the give-back's lease lasts, the job still tracked and never started; past it,
+    /// dropped (untracked: a row still running expires). With
+    /// [`super::config::Defects::give_back_error_keeps_jobs`] an `Err` puts the job back
+    /// in the ready queue, its wait as it was (over a lease).
+    pub fn release_step(&mut self, cfg: &Config, p: ProcId, job: JobId, gen: u8, reply: Reply) {
+        let phase = self.attempt(p, job, gen).expect("attempt").phase;
+        let Phase::GivenBack { give_up } = phase else {
+            unreachable!("only a given-back job is released")
+        };
+        if reply != Reply::NotCommitted {
+            self.release(cfg, job, p, gen);
+        }
+        if reply == Reply::Answered {
+            self.remove_attempt(p, job, gen);
+            return;
+        }
+        self.budget.spend(Spend::LostReply);
+        if cfg.defects.give_back_error_keeps_jobs {
+            let waited = cfg.lease + 1;
+            self.set_phase(p, job, gen, Phase::ReadyQueue { waited });
+        } else if give_up == 0 {
+            self.remove_attempt(p, job, gen);
         }
     }
 
     /// Graceful shutdown begins (`StopClaiming`): no claim and no chained successor
-    /// from now on, and the ready queue is released at once.
+    /// from now on, and the ready queue is given back at once.
     pub fn shutdown(&mut self, cfg: &Config, p: ProcId) {
         self.budget.spend(Spend::Shutdown);
         self.procs[p as usize].up = Up::Stopping;
@@ -494,8 +534,10 @@ impl State {
                 }
             }
             for a in &mut proc.attempts {
-                if let Phase::ReadyQueue { waited } = &mut a.phase {
-                    *waited = (*waited + 1).min(cfg.lease + 1);
+                match &mut a.phase {
+                    Phase::ReadyQueue { waited } => *waited = (*waited + 1).min(cfg.lease + 1),
+                    Phase::GivenBack { give_up } => *give_up = (*give_up - 1).max(0),
+                    _ => {}
                 }
             }
             if !deadlines {
@@ -546,13 +588,20 @@ impl State {
     }
 
     /// The renewal's reply: deadlines from the send time; lost leases (and requested
-    /// cancels) cancel their handlers.
+    /// cancels) cancel their handlers. A given-back job found no longer ours is cancelled
+    /// (lease_renewer.rs `lost`, `LeaseLost`), and `release_retrying` leaves it out of its
+    /// next RELEASE; with nothing left to release it returns and `give_back` untracks it.
+    /// (Per job, here: a RELEASE in between would match no row of this generation.)
     fn renewed(&mut self, cfg: &Config, p: ProcId, mine: &[Attempt], sent: i8) {
         for a in mine {
             if self.row_locked(cfg, a.job) {
                 continue;
             }
             let ours = self.fence_ok(a.job, p, a.gen);
+            if !ours && matches!(a.phase, Phase::GivenBack { .. }) {
+                self.remove_attempt(p, a.job, a.gen);
+                continue;
+            }
             let row = &mut self.rows[a.job as usize];
             if ours {
                 row.lease_left = (sent + cfg.lease).max(-1);

@@ -138,6 +138,23 @@ pub enum Phase {
     /// `began`: when it began, relative to now (its statements' `now()`); kept only
     /// where a defect switch reads it, 0 otherwise.
     Writing { ending: Ending, began: i8 },
+    /// Taken off the ready queue to be given back (src/actor/dispatch.rs `release_ready`,
+    /// then `give_back`): it never starts here again and holds no slot, yet stays
+    /// tracked, so the renewer renews it, until `release_retrying` returns: a RELEASE
+    /// answered, a renewal that finds the job no longer ours, or no answer once a lease
+    /// has passed since the give-back. `give_up`: ticks left of that lease (0: passed).
+    GivenBack { give_up: i8 },
+}
+
+/// How one RELEASE of `release_retrying` (src/actor/dispatch.rs) turns out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reply {
+    /// `Ok`: the fenced RELEASE ran (perhaps matching no row) and said so.
+    Answered,
+    /// `Err` after the RELEASE committed: its reply was lost (a cut connection).
+    LostAfterCommit,
+    /// `Err` without a commit: the database did not answer.
+    NotCommitted,
 }
 
 /// Progress of the handler's effect.
@@ -224,7 +241,8 @@ pub struct Budget {
     pub failures: u8,
     /// Graceful shutdowns (a process stops claiming and gives its ready queue back).
     pub shutdowns: u8,
-    /// Give-backs whose RELEASE committed and whose reply was lost.
+    /// A give-back's RELEASE without an answer (`Err`): committed with its reply lost,
+    /// or, once the give-back's lease has passed, not committed.
     pub lost_replies: u8,
     pub faults: u8,
     pub cancels: u8,
@@ -380,7 +398,7 @@ impl State {
     /// Forget what no later step can read, so equal futures are one state: a lease
     /// outside `running`, backoff outside `pending`, attempt counts and generations of
     /// rows that never run again, and the deadline and cancel flag of an attempt whose
-    /// handler has returned.
+    /// handler has returned or that was given back.
     pub fn normalize(&mut self) {
         for r in &mut self.rows {
             if r.state != JobState::Pending {
@@ -398,7 +416,12 @@ impl State {
         }
         for p in &mut self.procs {
             for a in &mut p.attempts {
-                if matches!(a.phase, Phase::Ending(_) | Phase::Writing { .. }) {
+                // A given-back job never starts: no deadline or cancel reaches a handler.
+                let never_read = matches!(
+                    a.phase,
+                    Phase::Ending(_) | Phase::Writing { .. } | Phase::GivenBack { .. }
+                );
+                if never_read {
                     a.deadline = 0;
                     a.cancelled = false;
                 }

@@ -82,7 +82,7 @@ fn describe(cfg: &Config, before: &State, a: &Action) -> String {
         Start(_, j, g, _) if cfg.defects.renewal_from_handler_start => {
             format!("j{j}g{g} {}", what.replace("lease check", "no lease check"))
         }
-        Start(_, j, g, _) | Record(_, j, g) => format!("j{j}g{g} {what}"),
+        Start(_, j, g, _) | Record(_, j, g) | Release(_, j, g, _) => format!("j{j}g{g} {what}"),
         ResumeReap(j) | Cancel(j) | Hold(j) | ReleaseHold(j) | RetryDead(j) => {
             format!("j{j} {what}")
         }
@@ -168,10 +168,18 @@ pub fn summary(cfg: &Config, s: &State) -> String {
                 Phase::Ending(Ending::Complete { .. }) => "returned:ok",
                 Phase::Ending(Ending::Fail) => "returned:err",
                 Phase::Writing { .. } => "ending-waits-key",
+                Phase::GivenBack { .. } => "given-back",
             };
             let _ = write!(out, "j{}g{} {phase}", a.job, a.gen);
-            if let Phase::ReadyQueue { waited } = a.phase {
-                let _ = write!(out, " waited{waited}");
+            match a.phase {
+                Phase::ReadyQueue { waited } => {
+                    let _ = write!(out, " waited{waited}");
+                }
+                Phase::GivenBack { give_up } => {
+                    let _ = write!(out, " gives-up-in{give_up}");
+                    continue;
+                }
+                _ => {}
             }
             if !cfg.defects.no_local_deadline {
                 let _ = write!(out, " dl{:+}", a.deadline);
