@@ -1,8 +1,8 @@
 //! Periodic: fires this scheduler's periodic schedules (see [`crate::periodic`]).
 //!
 //! # Lifecycle
-//! Started with the scheduler when it has schedules, on its own arbiter, writing
-//! through the scheduler's writer pool. Every [`TICK`] it looks at each schedule whose
+//! Started with the scheduler when it has schedules, on the scheduler's arbiter,
+//! writing through the scheduler's writer pool. Every [`TICK`] it looks at each schedule whose
 //! next fire time (as the last look computed it) has come, in one short transaction per
 //! schedule (`Store::fire_due`); a schedule another process is firing is looked at again
 //! at the next tick. Stops on [`super::Stop`].

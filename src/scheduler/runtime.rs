@@ -309,12 +309,10 @@ fn build(
             Listener::new(side.pool("listener"), channels, claimer, running, metrics)
         })
     });
-    let periodic = (!schedules.is_empty()).then(|| {
-        let (store, m) = (env.store.clone(), metrics.clone());
-        PeriodicRunner::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-            PeriodicRunner::new(store, schedules, m)
-        })
-    });
+    // On the scheduler's own arbiter, beside the claimer: the writer pool it uses was
+    // opened on this runtime.
+    let periodic = (!schedules.is_empty())
+        .then(|| PeriodicRunner::new(env.store.clone(), schedules, metrics.clone()).start());
     Started {
         env,
         claimer,
