@@ -26,7 +26,9 @@
 //! - `start_without_lease`: no handler starts after the lease in force for its
 //!   generation ran out (the furthest `lease_until` written by then, from the lease
 //!   audit; reaped or not), or after the generation was released, cancelled, failed or
-//!   completed, and none starts for a generation the database never claimed.
+//!   completed, and none starts for a generation the database never claimed. A start
+//!   right after the process resumed from a SIGSTOP that froze it between its lease check
+//!   and the handler's first line is excused if the handler stopped within the grace.
 //! - `stale_effect`: no attempt calls the effect server after a newer generation of its
 //!   job started (the racing reaper's victims excused, as above).
 
@@ -202,7 +204,7 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
     }
     overlap(c, &all, f, s);
     start_order(c, &all, f);
-    without_lease(c, &all, f);
+    without_lease(c, &all, f, s);
     stale_effects(&all, &race_reaped(c), f);
     flood_waits(c, &all, s);
     let clock = &c.run.clock;
@@ -344,8 +346,20 @@ fn generation_ends(c: &Input) -> HashMap<(i64, i64), (i64, String)> {
     out
 }
 
-fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings) {
+fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings, s: &mut Stats) {
     let ends = generation_ends(c);
+    // A handler whose task checked its lease just before its process was frozen starts
+    // when the process resumes, the lease gone meanwhile: no library can close that
+    // window. Excused only if it started and ended within the grace after resuming
+    // (told at once that its lease is lost, it must stop), as with overlaps.
+    let frozen = frozen(c);
+    let resumed_and_stopped = |a: &Attempt| {
+        frozen.get(&a.w).is_some_and(|ws| {
+            ws.iter().any(|(stop, cont, left)| {
+                *stop <= a.start_mono && a.start_mono <= cont + left && a.end_mono <= cont + left
+            })
+        })
+    };
     // (job, generation) → (written at, lease until), in write order.
     let mut leases: HashMap<(i64, i64), Vec<(i64, i64)>> = HashMap::new();
     for l in &c.leases {
@@ -379,6 +393,10 @@ fn without_lease(c: &Input, all: &[Attempt], f: &mut Findings) {
                 .max()
         });
         if let Some(until) = in_force {
+            if a.start_us > until + DB_CLOCK_BOUND_US && resumed_and_stopped(a) {
+                s.frozen_starts_excused += 1;
+                continue;
+            }
             if a.start_us > until + DB_CLOCK_BOUND_US {
                 f.add(
                     "start_without_lease",

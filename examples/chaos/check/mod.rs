@@ -197,6 +197,9 @@ pub struct Stats {
     pub ends_at_process_end: u64,
     pub ends_open: u64,
     pub zombie_overlaps_excused: u64,
+    /// Handlers that started right after their process resumed from a SIGSTOP, their
+    /// lease gone while it was frozen, and stopped within the grace.
+    pub frozen_starts_excused: u64,
     pub race_overlaps_excused: u64,
     pub flood_successor_waited: u64,
     pub chain_claim_to_start_max_ms: i64,

@@ -71,12 +71,13 @@ pub fn render(c: &Input, f: &Findings, s: &Stats) -> Report {
     );
     let _ = writeln!(
         t,
-        "execution: attempts={} ended_by_drop_guard={} ended_at_process_kill={} never_ended={} frozen_overlaps_excused={} race_reaped_overlaps_excused={} flood_successors_waited={} chain_claim_to_start_max={}ms",
+        "execution: attempts={} ended_by_drop_guard={} ended_at_process_kill={} never_ended={} frozen_overlaps_excused={} frozen_starts_excused={} race_reaped_overlaps_excused={} flood_successors_waited={} chain_claim_to_start_max={}ms",
         s.attempts,
         s.ends_dropped,
         s.ends_at_process_end,
         s.ends_open,
         s.zombie_overlaps_excused,
+        s.frozen_starts_excused,
         s.race_overlaps_excused,
         s.flood_successor_waited,
         s.chain_claim_to_start_max_ms

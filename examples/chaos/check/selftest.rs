@@ -250,6 +250,29 @@ fn start_after_lease_ran_out() -> Result<(), String> {
     expect("start_without_lease", build(false), build(true))
 }
 
+/// A handler whose process was frozen between its lease check and its first line starts
+/// after the lease ran out: excused if it stopped within the grace after resuming, not if
+/// it ran on.
+fn start_after_a_freeze() -> Result<(), String> {
+    let build = |end: i64| {
+        let mut s = Synth::new();
+        s.job(1, Some("k"), Some(1), "done");
+        s.event(1, 1, "claimed", 0, "owner-w0");
+        s.0.leases.push(LeaseWrite {
+            job_id: 1,
+            generation: 1,
+            lease_until_us: us(2000),
+            written_at_us: us(0),
+        });
+        s.fault("sigstop", "w0", 1500, 4000, vec![]);
+        s.line("start", 0, 1, 1, Some("k"), 4001);
+        s.line("end", 0, 1, 1, Some("k"), end);
+        s.run(execution::check)
+    };
+    // Grace is renew (500 ms) + 1 s after SIGCONT at 4000.
+    expect("start_without_lease", build(7000), build(4010))
+}
+
 fn start_after_release() -> Result<(), String> {
     let build = |start: i64| {
         let mut s = Synth::new();
@@ -465,7 +488,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 26] = [
+pub const CASES: [Case; 27] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -481,6 +504,7 @@ pub const CASES: [Case; 26] = [
     ("key_floors_one_epoch", key_floors_one_epoch),
     ("freezes_back_to_back", freezes_back_to_back),
     ("start_without_lease", start_without_lease),
+    ("start_after_a_freeze", start_after_a_freeze),
     ("start_after_lease_ran_out", start_after_lease_ran_out),
     ("start_after_release", start_after_release),
     ("stale_effect", stale_effect),
