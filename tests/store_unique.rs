@@ -288,7 +288,30 @@ async fn a_bad_unique_key_or_period_is_refused_and_writes_nothing() {
             assert!(matches!(err, Error::InvalidInput { .. }), "{bad:?}: {err}");
             assert!(db.store.enqueue_copy(vec![bad]).await.is_err());
         }
+        // A unique batch is checked as it is written, after its locks: a payload over
+        // the limit still refuses the whole batch and writes nothing.
+        let huge = NewJob::from_json("charge", serde_json::json!("x".repeat(300 * 1024)))
+            .unique("order-9", UniqueScope::WhileOpen);
+        let err = db
+            .store
+            .enqueue_many(vec![charge(8, UniqueScope::WhileOpen), huge.clone()])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::PayloadTooLarge { .. }), "{err}");
+        assert!(db
+            .store
+            .enqueue_copy(vec![charge(8, UniqueScope::Forever), huge])
+            .await
+            .is_err());
         assert_eq!(db.job_count().await, 0);
+        // And the unique key taken by the refused batch is free.
+        assert!(
+            !db.store
+                .enqueue_outcome(charge(8, UniqueScope::WhileOpen))
+                .await
+                .unwrap()
+                .duplicate
+        );
         db.drop().await;
     })
     .await

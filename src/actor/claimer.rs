@@ -279,11 +279,13 @@ impl Claimer {
         };
         let store = self.env.claim_store.clone();
         let started = Instant::now();
-        let parts = plan.clone();
         ctx.spawn(
-            async move { claim_parts(&store, req, &parts).await }
+            async move {
+                let (claimed, res) = claim_parts(&store, req, &plan).await;
+                (claimed, res, plan)
+            }
                 .into_actor(self)
-                .map(move |(claimed, res), act, ctx| {
+                .map(move |(claimed, res, plan), act, ctx| {
                     act.claiming -= 1;
                     act.env.queue_limits.settle(&plan);
                     let env = act.env.clone();

@@ -84,11 +84,7 @@ impl Store {
 
         let unique = jobs.iter().any(|j| j.unique.is_some());
         if unique {
-            // Refuse an invalid load before taking any lock.
-            let mut encoded = Vec::new();
-            for job in &jobs {
-                self.check_job(job, &mut encoded)?;
-            }
+            super::unique::check_unique_batch(&jobs)?;
         }
         let mut tx = conn.begin().await?;
         let plan = if unique {

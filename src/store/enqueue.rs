@@ -358,11 +358,7 @@ impl Store {
                 .await?;
             return Ok(written(rows));
         }
-        // Refuse an invalid batch before taking any lock.
-        let mut encoded = Vec::new();
-        for job in &jobs {
-            self.check_job(job, &mut encoded)?;
-        }
+        super::unique::check_unique_batch(&jobs)?;
         let mut tx = conn.begin().await?;
         let plan = self.resolve_unique(&mut tx, &jobs).await?;
         let fresh: Vec<(NewJob, Window)> = jobs

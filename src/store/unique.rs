@@ -115,6 +115,18 @@ pub(super) fn check_unique(job: &NewJob) -> Result<()> {
     Ok(())
 }
 
+/// What the lock and lookup statements bind, checked before they run: the kinds and
+/// the unique keys (a NUL would be the database's error, not ours). The rest of each
+/// job is checked as it is written, inside the same transaction, so an invalid job
+/// still writes nothing.
+pub(super) fn check_unique_batch(jobs: &[NewJob]) -> Result<()> {
+    for job in jobs.iter().filter(|j| j.unique.is_some()) {
+        check_name("kind", &job.kind)?;
+        check_unique(job)?;
+    }
+    Ok(())
+}
+
 impl Store {
     /// Lock the batch's unique keys and find the jobs that already take them; every job
     /// of the batch gets a [`Resolution`]. Call inside the enqueue's transaction.

@@ -223,18 +223,24 @@ fn start_without_lease() -> Result<(), String> {
     expect("start_without_lease", build(2600), build(1500))
 }
 
+/// Job 1 of key "k", claimed by w0 at 0 ms with a lease until `until` ms.
+fn claimed_keyed_job_leased_until(until: i64) -> Synth {
+    let mut s = Synth::new();
+    s.job(1, Some("k"), Some(1), "done");
+    s.event(1, 1, "claimed", 0, "owner-w0");
+    s.0.leases.push(LeaseWrite {
+        job_id: 1,
+        generation: 1,
+        lease_until_us: us(until),
+        written_at_us: us(0),
+    });
+    s
+}
+
 /// A claimed job that waits (unrenewed) past its lease and then starts, not reaped yet.
 fn start_after_lease_ran_out() -> Result<(), String> {
     let build = |renewed: bool| {
-        let mut s = Synth::new();
-        s.job(1, Some("k"), Some(1), "done");
-        s.event(1, 1, "claimed", 0, "owner-w0");
-        s.0.leases.push(LeaseWrite {
-            job_id: 1,
-            generation: 1,
-            lease_until_us: us(2000),
-            written_at_us: us(0),
-        });
+        let mut s = claimed_keyed_job_leased_until(2000);
         if renewed {
             s.0.leases.push(LeaseWrite {
                 job_id: 1,
@@ -255,15 +261,7 @@ fn start_after_lease_ran_out() -> Result<(), String> {
 /// it ran on.
 fn start_after_a_freeze() -> Result<(), String> {
     let build = |end: i64| {
-        let mut s = Synth::new();
-        s.job(1, Some("k"), Some(1), "done");
-        s.event(1, 1, "claimed", 0, "owner-w0");
-        s.0.leases.push(LeaseWrite {
-            job_id: 1,
-            generation: 1,
-            lease_until_us: us(2000),
-            written_at_us: us(0),
-        });
+        let mut s = claimed_keyed_job_leased_until(2000);
         s.fault("sigstop", "w0", 1500, 4000, vec![]);
         s.line("start", 0, 1, 1, Some("k"), 4001);
         s.line("end", 0, 1, 1, Some("k"), end);
