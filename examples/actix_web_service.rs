@@ -13,6 +13,10 @@
 //! - `GET /metrics`: Prometheus (or OpenMetrics) text, mounted by
 //!   `leasehold::web::metrics_route_with`: attempts by queue, kind and outcome, latency
 //!   histograms, mailbox figures, and per-queue gauges read from the database.
+//! - `/jobs/`: the dashboard (`leasehold::web::dashboard`): queues, jobs, one job with
+//!   its attempts and history, blocked keys, live schedulers. Actions (retry, cancel,
+//!   hold, release, pause) are on for requests the `operator` hook accepts: here, those
+//!   carrying the `x-operator` header that this service's authenticating proxy sets.
 //!
 //! The handler fulfils the order and completes its job in the same transaction
 //! (`JobContext::complete_in`), fenced: a worker that lost its lease changes nothing.
@@ -37,8 +41,8 @@ use std::error::Error;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use actix_web::{web, App, HttpResponse, HttpServer};
-use leasehold::web::metrics_route_with;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use leasehold::web::{dashboard, metrics_route_with};
 use leasehold::{
     CompleteOutcome, Config, Handler, JobContext, JobError, JobId, NewJob, Scheduler, Store,
     StoreOptions,
@@ -309,6 +313,15 @@ async fn create_orders_table(pool: &PgPool, schema: &str) -> Result<String, Box<
     Ok(orders)
 }
 
+/// The dashboard's authorization hook: who may act, from the host's own authentication.
+/// This service sits behind a proxy that authenticates operators and names them in
+/// `x-operator` (stripping the header from everyone else); without it, the dashboard is
+/// read-only for that request. The name goes into the history of every job acted on.
+fn operator(req: &HttpRequest) -> Option<String> {
+    let name = req.headers().get("x-operator")?.to_str().ok()?;
+    (!name.is_empty()).then(|| format!("ops:{name}"))
+}
+
 /// How long picking an order takes: `FULFIL_MS` milliseconds (default 50).
 fn picking_time() -> Duration {
     env::millis("FULFIL_MS", 50)
@@ -364,6 +377,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .route("/orders", web::post().to(create_order))
             .route("/orders/{id}", web::get().to(get_order))
             .service(metrics)
+            .service(
+                dashboard(state.scheduler.clone())
+                    .at("/jobs")
+                    .store(state.jobs.clone())
+                    .actions(operator),
+            )
     })
     .workers(2)
     .shutdown_timeout(10)
@@ -554,6 +573,13 @@ async fn run_demo(addr: SocketAddr) -> Result<usize, String> {
         return Err(format!(
             "metrics say {completed:?} jobs completed, expected {}",
             placed.len()
+        ));
+    }
+    let (status, page) = request(addr, "GET", "/jobs/", None).await?;
+    println!("GET /jobs/ (the dashboard) -> {status}");
+    if status != 200 || !page.contains("data-queue=\"default\"") {
+        return Err(format!(
+            "the dashboard's overview: {status}, no row for the queue"
         ));
     }
     println!("{} orders placed and fulfilled", placed.len());

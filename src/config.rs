@@ -28,8 +28,11 @@ pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(50);
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_secs(2);
 /// Default [`Config::claim_batch_max`]: 100 jobs per claim statement.
 pub const DEFAULT_CLAIM_BATCH_MAX: usize = 100;
-/// Default [`Config::claim_ahead`]: 32 jobs claimed beyond the free slots.
-pub const DEFAULT_CLAIM_AHEAD: usize = 32;
+/// Default [`Config::claim_ahead`]: at most 100 jobs claimed beyond the free slots (as
+/// many as a claim statement takes, [`DEFAULT_CLAIM_BATCH_MAX`]).
+pub const DEFAULT_CLAIM_AHEAD: usize = 100;
+/// Default [`Config::claim_ahead_window`]: 100 ms of this scheduler's recent pace.
+pub const DEFAULT_CLAIM_AHEAD_WINDOW: Duration = Duration::from_millis(100);
 /// Default [`Config::connections`]: 3 connections in the scheduler's own pool.
 pub const DEFAULT_CONNECTIONS: u32 = 3;
 /// Default [`Config::inflight_byte_budget`]: 64 MiB of payloads held at once.
@@ -152,18 +155,41 @@ pub struct Config {
     /// threads, so CPU-heavy handlers use every core and never stall the host; a handler
     /// there should open connections from a pool made for it (a pool belongs to the
     /// runtime that opened its connections).
+    ///
+    /// `Some(0)`: no thread of their own; handlers run on the scheduler's own thread,
+    /// beside its actors. Each job then starts and ends without being handed between
+    /// threads: for short handlers (milliseconds or less) that is most of a job's cost
+    /// in this process (no-op jobs at concurrency 1: about 1.7× the jobs per second of
+    /// the default, `bench -- --only peer`). The price: a handler that blocks or burns
+    /// CPU holds up the claims, completions and key order of every other job of this
+    /// scheduler (leases are renewed on another thread, so none is lost), and its use
+    /// of the host's pools and clients crosses threads (they work while the host's
+    /// runtime runs; but a connection a handler opens there belongs to the scheduler's
+    /// thread, so give handlers a pool made for them, as for `Some(n)`). With any
+    /// `Some`, the job's context writes (effect ledger, progress) through a small pool
+    /// of the scheduler's own, closed with it. For short async handlers, such as
+    /// webhooks and ledger writes.
     pub handler_threads: Option<usize>,
     /// Connections of the scheduler's own pool that writes job endings (completions,
     /// failures, releases) and fetches a key's next job. Default 3.
     pub connections: u32,
-    /// Jobs claimed beyond the free slots, to wait in this process for the next one: a
-    /// handler that returns starts the next job at once, with no round trip, and claims
-    /// come in batches even at concurrency 1. They are leased and renewed from their
-    /// claim, count against `inflight_byte_budget`, are released at once on shutdown
-    /// and given back if they wait a lease. The cost: a process that dies holds them
-    /// until their leases expire, and other processes cannot run them meanwhile. 0 turns
-    /// it off. Default 32.
+    /// Jobs claimed beyond the free slots, at most, to wait in this process for the
+    /// next one: a handler that returns starts the next job at once, with no round trip,
+    /// and claims come in batches even at concurrency 1. They are leased and renewed
+    /// from their claim, count against `inflight_byte_budget`, are released at once on
+    /// shutdown and given back if they wait a lease. The cost: a process that dies holds
+    /// them until their leases expire, and other processes cannot run them meanwhile;
+    /// `claim_ahead_window` keeps that to what this process would start soon anyway.
+    /// 0 turns it off. Default 100.
     pub claim_ahead: usize,
+    /// Claim ahead only what this scheduler starts in this long at its recent pace (jobs
+    /// claimed per second, smoothed), up to `claim_ahead`: fast handlers get the whole
+    /// `claim_ahead` (at 10,000 jobs/s, 100 ms is 1,000 jobs), slow ones few or none, so
+    /// one process does not hoard a queue of slow jobs that another could be running.
+    /// A scheduler that has not started anything yet claims none ahead. `None`: always
+    /// `claim_ahead`, whatever the pace. Default 100 ms.
+    #[serde(with = "humantime_serde::option")]
+    pub claim_ahead_window: Option<Duration>,
     /// Payload bytes this scheduler holds at once, at most (the first job of a claim is
     /// always taken). Default 64 MiB.
     pub inflight_byte_budget: usize,
@@ -183,6 +209,16 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Listen for NOTIFY wake-ups (a hint; polling stays the truth). Default true.
     pub listen: bool,
+    /// Where the listener connects, when not through the host pool's address: a
+    /// `postgres://` URL straight to PostgreSQL. LISTEN needs a session of its own,
+    /// which a transaction-mode pooler cannot give, so with
+    /// `store.transaction_pooler` the listener uses this URL, and without one there is
+    /// no listener: new jobs are found by polling alone (within `poll_interval_max` when
+    /// idle), cancel requests reach a running attempt at its next renewal (within
+    /// `renew_interval`), and a pause gives back jobs claimed ahead within about a
+    /// second (the claim itself never takes a paused queue's jobs). One connection per
+    /// scheduler, idle but for notifications. Default none.
+    pub listen_url: Option<String>,
     /// How long the effect ledger keeps an outcome; must exceed the longest retry window.
     /// Default 30 days.
     #[serde(with = "humantime_serde")]
@@ -228,6 +264,7 @@ impl Default for Config {
             poll_interval_max: DEFAULT_POLL_MAX,
             claim_batch_max: DEFAULT_CLAIM_BATCH_MAX,
             claim_ahead: DEFAULT_CLAIM_AHEAD,
+            claim_ahead_window: Some(DEFAULT_CLAIM_AHEAD_WINDOW),
             handler_threads: None,
             connections: DEFAULT_CONNECTIONS,
             inflight_byte_budget: DEFAULT_INFLIGHT_BYTES,
@@ -237,6 +274,7 @@ impl Default for Config {
             reaper_batch: DEFAULT_REAPER_BATCH,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             listen: true,
+            listen_url: None,
             effect_keep: DEFAULT_EFFECT_KEEP,
             sequencer_idle: DEFAULT_SEQUENCER_IDLE,
             mailbox_capacity: DEFAULT_MAILBOX_CAPACITY,
@@ -396,9 +434,6 @@ impl Config {
         if self.store.max_result_bytes == 0 {
             return Err(refuse("store.max_result_bytes", "must be positive"));
         }
-        if self.handler_threads == Some(0) {
-            return Err(refuse("handler_threads", "must be at least 1 (or None)"));
-        }
         if self.connections == 0 {
             return Err(refuse("connections", "must be at least 1"));
         }
@@ -416,7 +451,34 @@ impl Config {
                 ),
             ));
         }
+        if let Some(url) = &self.listen_url {
+            // sqlx parses any scheme: a MySQL URL would connect to port 5432 regardless.
+            if !url.starts_with("postgres://") && !url.starts_with("postgresql://") {
+                return Err(refuse(
+                    "listen_url",
+                    "must be a postgres:// or postgresql:// URL",
+                ));
+            }
+            url.parse::<sqlx::postgres::PgConnectOptions>()
+                .map_err(|e| refuse("listen_url", format!("not a PostgreSQL URL: {e}")))?;
+        }
         Ok(())
+    }
+
+    /// The listener's connect options: `listen_url` when given, else `pooled` (the
+    /// host pool's) unless that goes through a transaction pooler; `None`: no listener.
+    pub(crate) fn listen_options(
+        &self,
+        pooled: &sqlx::postgres::PgConnectOptions,
+    ) -> Option<sqlx::postgres::PgConnectOptions> {
+        if !self.listen {
+            return None;
+        }
+        match &self.listen_url {
+            Some(url) => url.parse().ok(),
+            None if self.store.transaction_pooler => None,
+            None => Some(pooled.clone()),
+        }
     }
 
     /// From the first claim to the last possible attempt's lease: every attempt may hold

@@ -25,11 +25,15 @@ pub(crate) struct Env {
     /// releases), made on the scheduler's thread.
     pub store: Store,
     /// The store over the host's pool: enqueues through the handle, and the context
-    /// handlers get (their effect ledger writes run on the host's runtime).
+    /// handlers get when they run on the host's runtime.
     pub host_store: Store,
-    /// Where handlers run: the runtime the scheduler was started from, or its own
-    /// (`Config::handler_threads`).
-    pub handlers: tokio::runtime::Handle,
+    /// The store in the context handlers get (effect ledger, progress, completion in
+    /// the handler's transaction): the host's when handlers run on the host's runtime;
+    /// otherwise one over a pool of the scheduler's own, so no connection of the host's
+    /// pool is opened on a runtime that stops with the scheduler.
+    pub handler_store: Store,
+    /// Where handlers run (`Config::handler_threads`).
+    pub handlers: Handlers,
     /// The same store over the claimer's own connections (see `scheduler::claim_session`).
     pub claim_store: Store,
     pub config: Config,
@@ -77,7 +81,7 @@ impl Env {
     pub fn track(&self, job: ClaimedJob, sent: Instant) -> JobContext {
         let ctx = JobContext::new(
             job,
-            self.host_store.clone(),
+            self.handler_store.clone(),
             self.config.effect_keep,
             self.lease_deadline_after(sent),
         );
@@ -115,6 +119,33 @@ impl Env {
     pub fn wake_claimer(&self) {
         if let Some(claimer) = self.claimer.get() {
             let _ = claimer.tell(crate::actor::claimer::SlotsFreed);
+        }
+    }
+}
+
+/// Where handlers run, from `Config::handler_threads`.
+#[derive(Clone)]
+pub(crate) enum Handlers {
+    /// A runtime's threads: the one the scheduler was started from (the host's), or a
+    /// multi-thread runtime of the scheduler's own.
+    Runtime(tokio::runtime::Handle),
+    /// The scheduler's own thread, beside its actors (`handler_threads = Some(0)`): a
+    /// job's start and its end are not handed between threads, which at concurrency 1
+    /// was most of a no-op job's time.
+    SchedulerThread,
+}
+
+impl Handlers {
+    /// Spawn a handler's call. `SchedulerThread` needs the caller to run on the
+    /// scheduler's thread (an actor's arbiter): the executors always do.
+    pub fn spawn<F>(&self, call: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        match self {
+            Handlers::Runtime(rt) => rt.spawn(call),
+            Handlers::SchedulerThread => tokio::task::spawn_local(call),
         }
     }
 }

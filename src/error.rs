@@ -163,6 +163,12 @@ impl Error {
 }
 
 impl Error {
+    /// True when the statement gave up waiting for a lock (`lock_timeout`): another
+    /// session holds a row it needs, so trying again later may succeed.
+    pub fn is_lock_wait(&self) -> bool {
+        matches!(self, Error::Database(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03"))
+    }
+
     /// True when trying the same statement again may succeed: a lost connection, a
     /// deadlock or serialization failure, a lock or statement timeout.
     pub fn is_transient(&self) -> bool {

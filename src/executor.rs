@@ -334,7 +334,17 @@ async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
             },
         },
     };
-    attempt_from(env, joined)
+    match (ctx.cancel_reason(), attempt_from(env, joined)) {
+        // Told to stop for shutdown, the handler returned before the shutdown was seen
+        // here: its error is the stop it was asked for (a handler that checks its
+        // cancellation returns one), so the job is released as `interrupted` would,
+        // not failed. Otherwise a deploy would spend an attempt (and a job on its last
+        // one would go dead) whenever the handler won that race.
+        (Some(CancelReason::Shutdown), Attempt::Failed(_)) => {
+            Attempt::Release("released at shutdown")
+        }
+        (_, attempt) => attempt,
+    }
 }
 
 /// Resolves once the attempt's local lease deadline has passed (renewals move it on).
@@ -677,13 +687,26 @@ where
                     return Err(e);
                 }
                 env.metrics.incr(|c| &c.completion_retries);
-                tracing::warn!(job = %job.id, error = %e, "leasehold ending write failed; retrying");
+                // A lock a host holds (its transaction has the job's key) is waited out in
+                // short tries, so the ending lands soon after the host commits.
+                let cap = if e.is_lock_wait() {
+                    tracing::debug!(job = %job.id, error = %e, "leasehold ending waits for a lock another session holds; retrying");
+                    LOCK_RETRY_MAX
+                } else {
+                    tracing::warn!(job = %job.id, error = %e, "leasehold ending write failed; retrying");
+                    Duration::from_secs(2)
+                };
+                pause = pause.min(cap);
                 tokio::time::sleep(pause.min(left)).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
+                pause = (pause * 2).min(cap);
             }
         }
     }
 }
+
+/// The longest pause between tries of an ending that waits for a lock another session
+/// holds (each try waits `scheduler::pools::WRITER_LOCK_WAIT` itself).
+const LOCK_RETRY_MAX: Duration = Duration::from_millis(100);
 
 /// Tries of an ending write the database refuses for a reason other than a passing one.
 const REFUSED_TRIES: u32 = 3;

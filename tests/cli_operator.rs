@@ -500,3 +500,57 @@ async fn pause_and_resume_a_queue_show_in_status_and_are_idempotent() {
     })
     .await
 }
+
+struct Noop;
+
+impl leasehold::Handler for Noop {
+    type Payload = i64;
+    type Output = ();
+    const KIND: &'static str = "noop";
+
+    async fn run(&self, _: leasehold::JobContext, _: i64) -> Result<(), leasehold::JobError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_lists_the_live_schedulers_with_their_owner_ids_until_they_stop() {
+    bounded(async {
+        let db = TestDb::new("cli_live_schedulers").await;
+        let none = ok(&db, &["status"]).await;
+        assert!(none.contains("no live scheduler"), "{none}");
+        let config = leasehold::Config {
+            schema: db.schema.clone(),
+            concurrency: 3,
+            queues: vec!["mail".into()],
+            ..Default::default()
+        };
+        let scheduler = leasehold::Scheduler::builder(db.pool.clone(), config)
+            .register(Noop)
+            .start()
+            .await
+            .unwrap();
+        let owner = scheduler.owner().to_string();
+        let mut seen = String::new();
+        for _ in 0..100 {
+            seen = ok(&db, &["status"]).await;
+            if seen.contains(&owner) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let line = seen
+            .lines()
+            .find(|l| l.contains(&owner))
+            .unwrap_or_else(|| panic!("{seen}"));
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(&cells[..3], [owner.as_str(), "mail", "3"], "{seen}");
+        let json = json(&db, &["status"]).await;
+        assert_eq!(json["schedulers"][0]["owner"], owner.as_str());
+        scheduler.shutdown().await.unwrap();
+        let after = ok(&db, &["status"]).await;
+        assert!(after.contains("no live scheduler"), "{after}");
+        db.drop().await;
+    })
+    .await;
+}

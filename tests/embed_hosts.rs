@@ -184,3 +184,109 @@ fn handlers_on_threads_of_their_own_leave_the_host_thread_free() {
         db.drop().await;
     }))
 }
+
+/// Records the thread each attempt ran on and reads through the host's pool.
+#[derive(Clone)]
+struct WhereAmI {
+    pool: sqlx::PgPool,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<(String, i64)>>>,
+}
+
+impl leasehold::Handler for WhereAmI {
+    type Payload = u64;
+    type Output = i64;
+    const KIND: &'static str = "where";
+
+    async fn run(&self, ctx: leasehold::JobContext, n: u64) -> Result<i64, leasehold::JobError> {
+        let thread = std::thread::current().name().unwrap_or("").to_string();
+        // The host's pool, made on the host's runtime, from the scheduler's thread.
+        let read: i64 = sqlx::query_scalar("SELECT $1::bigint + 1")
+            .bind(n as i64)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(leasehold::JobError::retry)?;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        // The effect ledger, through the context's store.
+        let charged: i64 = ctx
+            .once("charge", &n, |_key| async move { Ok(read * 10) })
+            .await?;
+        self.seen.lock().unwrap().push((thread, ctx.job_id().0));
+        Ok(charged / 10)
+    }
+}
+
+/// `handler_threads = Some(0)`: handlers run on the scheduler's own thread (named
+/// `leasehold <owner>`), not the host's; they reach the host's pool across threads,
+/// keep a key's order, and shutdown still stops one that runs.
+#[test]
+fn handlers_on_the_scheduler_thread_run_there_and_reach_the_hosts_pool() {
+    worker::run_in_system(within(60, "scheduler-thread handlers", async {
+        let db = TestDb::with_options("embed_sched_thread", StoreOptions::default(), POOL).await;
+        let mut config = fast_config(&db.schema);
+        config.handler_threads = Some(0);
+        config
+            .validate()
+            .expect("zero threads of their own is a choice");
+        let seen: std::sync::Arc<std::sync::Mutex<Vec<(String, i64)>>> = Default::default();
+        let h = WhereAmI {
+            pool: db.pool.clone(),
+            seen: seen.clone(),
+        };
+        let scheduler = Scheduler::builder(db.pool.clone(), config)
+            .register(h)
+            .start()
+            .await
+            .unwrap();
+        let mut ids = Vec::new();
+        for i in 0..30u64 {
+            let job = leasehold::NewJob::new("where", &i).unwrap();
+            let job = if i % 3 == 0 {
+                job.with_key("acct")
+            } else {
+                job
+            };
+            ids.push(scheduler.enqueue_job(job).await.unwrap());
+        }
+        wait_until(30, "every job to be done", || async {
+            db.count_where("jobs", "state = 'done'").await == 30
+        })
+        .await;
+        let host = std::thread::current().name().unwrap_or("").to_string();
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 30);
+        for (thread, id) in &seen {
+            assert!(
+                thread.starts_with("leasehold ") && *thread != host,
+                "job {id} ran on {thread:?} (host thread {host:?})"
+            );
+        }
+        // The key's jobs ran in enqueue order.
+        let keyed: Vec<i64> = ids.iter().step_by(3).map(|id| id.0).collect();
+        let ran: Vec<i64> = seen
+            .iter()
+            .map(|(_, id)| *id)
+            .filter(|id| keyed.contains(id))
+            .collect();
+        assert_eq!(ran, keyed);
+        // Results came back through the host's pool; each effect was recorded once,
+        // through the scheduler's own handler connections (not the host's pool, whose
+        // connections must not belong to a runtime that stops with the scheduler).
+        let job = db.store.job(ids[5]).await.unwrap();
+        assert_eq!(job.result, Some(serde_json::json!(6)));
+        assert_eq!(db.count_where("effects", "true").await, 30);
+        let handler_conns: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'leasehold-handlers %'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert!(
+            handler_conns >= 1,
+            "the ledger went through the handlers' pool"
+        );
+        scheduler.shutdown().await.unwrap();
+        // The host's pool still works after the scheduler's thread is gone.
+        assert_eq!(db.count_where("jobs", "state = 'done'").await, 30);
+        db.drop().await;
+    }))
+}

@@ -1,8 +1,9 @@
 //! Jobs claimed ahead of a free slot (`Config::claim_ahead`) are held by this process
 //! only as long as that is harmless: renewed while they wait, given back to the queue
 //! once they have waited a lease (even when no slot frees and no wake-up comes), and
-//! released at shutdown, never charged an attempt for the wait. Asserted on what the
-//! handlers ran and on the jobs' rows.
+//! released at shutdown, never charged an attempt for the wait; and sized to the
+//! scheduler's pace, so slow jobs are not hoarded by one process while another could
+//! run them. Asserted on what the handlers ran and on the jobs' rows.
 
 mod common;
 #[path = "common/scripted.rs"]
@@ -29,6 +30,8 @@ async fn one_slot_full_and_jobs_ahead(
     let mut config = config_with_lease(&db.schema, LEASE);
     config.concurrency = 1;
     config.claim_ahead = 4;
+    // Held ahead whatever the pace (a gated job makes the pace nil).
+    config.claim_ahead_window = None;
     let a = Scheduler::builder(db.pool.clone(), config)
         .register(h.clone())
         .start()
@@ -136,6 +139,61 @@ fn jobs_claimed_ahead_are_released_at_shutdown_without_an_attempt() {
             "{:?}",
             report.metrics.counters
         );
+        db.drop().await;
+    }))
+}
+
+/// Two schedulers of two slots each, 24 jobs of 300 ms, the default claim-ahead (up to
+/// 100, paced): the first to start does not take the queue, so the second runs jobs
+/// from its start. With the pace ignored (`claim_ahead_window = None`) the first held
+/// all 24 and the second ran none until they had waited a lease.
+#[test]
+fn slow_jobs_are_not_hoarded_by_the_first_scheduler() {
+    run_in_system(within(60, "paced claim-ahead test", async {
+        let db = TestDb::with_options("rt_ahead_paced", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let mut config = config_with_lease(&db.schema, Duration::from_secs(30));
+        config.concurrency = 2;
+        assert_eq!(config.claim_ahead, 100, "the default");
+        let a = Scheduler::builder(db.pool.clone(), config.clone())
+            .register(h.clone())
+            .start()
+            .await
+            .unwrap();
+        a.enqueue_many(
+            (0..24)
+                .map(|i| scripted(work(&format!("slow{i}"), 300)))
+                .collect(),
+        )
+        .await
+        .unwrap();
+        h.started("slow0", 10).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let b = Scheduler::builder(db.pool.clone(), config)
+            .register(h.clone())
+            .start()
+            .await
+            .unwrap();
+        wait_until(30, "all 24 done", || async {
+            db.count_where("jobs", "state = 'done'").await == 24
+        })
+        .await;
+        let (a_ran, b_ran) = (
+            a.metrics().counters.completed,
+            b.metrics().counters.completed,
+        );
+        assert_eq!(a_ran + b_ran, 24);
+        assert!(
+            b_ran >= 8,
+            "the second scheduler ran {b_ran} of 24: the first hoarded them \
+             ({} claimed ahead)",
+            a.metrics().counters.claimed_ahead
+        );
+        for e in h.log() {
+            assert!(e.end.is_some(), "{e:?}");
+        }
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
         db.drop().await;
     }))
 }

@@ -121,6 +121,8 @@ fn a_pause_lets_the_running_job_finish_and_gives_back_the_jobs_claimed_ahead() {
         let mut config = config_with_lease(&db.schema, Duration::from_secs(20));
         config.concurrency = 1;
         config.claim_ahead = 4;
+        // Held ahead whatever the pace (a gated job makes the pace nil).
+        config.claim_ahead_window = None;
         let a = start(&db, &h, config).await;
         let running = a
             .enqueue_job(scripted(Script {

@@ -4,6 +4,8 @@
 //! expire. Asserted on what the handlers really did (their execution log).
 
 mod common;
+#[path = "common/host_keys.rs"]
+mod host_keys;
 #[path = "common/scripted.rs"]
 mod scripted;
 #[path = "common/worker.rs"]
@@ -12,10 +14,11 @@ mod worker;
 use std::time::{Duration, Instant};
 
 use common::{within, TestDb};
+use host_keys::wait_done;
 use leasehold::{CancelReason, JobState, NewJob, Scheduler, StoreOptions};
 use scripted::{scripted, work, Script, Scripted};
 use sqlx::Connection;
-use worker::{config_with_lease, run_in_system, wait_until, POOL};
+use worker::{config_with_lease, run_in_system, POOL};
 
 const LEASE: Duration = Duration::from_secs(2);
 
@@ -25,18 +28,6 @@ async fn start(db: &TestDb, handler: &Scripted) -> Scheduler {
         .start()
         .await
         .unwrap()
-}
-
-async fn wait_done(db: &TestDb, ids: &[leasehold::JobId], secs: u64) {
-    wait_until(secs, "the jobs to end", || async {
-        for id in ids {
-            if !db.store.job(*id).await.unwrap().state.is_terminal() {
-                return false;
-            }
-        }
-        true
-    })
-    .await;
 }
 
 #[test]
@@ -332,6 +323,22 @@ fn finished_work_is_kept_while_its_ending_cannot_be_written_for_longer_than_the_
         assert_eq!(h.runs_of(id).len(), 1, "the finished job ran again");
         assert_eq!(db.count_where("lease_expiries", "true").await, 0);
         assert!(m.counters.completion_retries >= 1, "{:?}", m.counters);
+        db.drop().await;
+    }))
+}
+
+/// Host transactions that hold three keys while those keys' heads finish: each head's
+/// completion must wait for its key, and while they wait, unkeyed jobs keep completing
+/// promptly (the waits must not take the connections every other ending is written
+/// with). Fails before the writer's lock waits were bounded: twelve unkeyed jobs were
+/// still running 20 s after their handlers returned.
+#[test]
+fn completions_waiting_on_keys_a_host_holds_do_not_delay_other_jobs_endings() {
+    run_in_system(within(120, "keys held by hosts test", async {
+        let db = TestDb::with_options("rt_renew_keywait", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let scheduler = start(&db, &h).await;
+        host_keys::endings_while_hosts_hold_keys(scheduler, &h, &db, &db.pool, LEASE).await;
         db.drop().await;
     }))
 }

@@ -314,3 +314,76 @@ fn a_draining_scheduler_claims_nothing_new_and_leaves_nothing_claimed() {
         own.drop().await;
     }))
 }
+
+/// Stops as soon as it is asked to, with an error (as a handler that checks its
+/// cancellation should).
+struct Obliging;
+
+impl Handler for Obliging {
+    type Payload = ();
+    type Output = ();
+    const KIND: &'static str = "obliging";
+
+    async fn run(&self, ctx: JobContext, _: ()) -> Result<(), JobError> {
+        ctx.cancelled().await;
+        Err(JobError::retry("asked to stop"))
+    }
+}
+
+/// Handlers told to stop at shutdown that return an error at once: each job is released
+/// (pending, due now, the attempt not counted), never failed with a backoff. Whether the
+/// handler's error or the shutdown is seen first must not matter: a job near its
+/// attempt limit would otherwise go dead for a deploy.
+#[test]
+fn handlers_that_stop_when_asked_at_shutdown_have_their_jobs_released_not_failed() {
+    run_in_system(within(60, "obliging shutdown test", async {
+        let own = OwnDb::new("shutdown_obliging").await;
+        let db = &own.db;
+        let mut config = fast_config(&db.schema);
+        config.concurrency = 16;
+        config.lease = Duration::from_secs(60);
+        config.renew_interval = Duration::from_secs(5);
+        config.shutdown_grace = Duration::from_millis(200);
+        // Handlers on threads of their own, so a handler's error can be in before the
+        // scheduler looks at why it was stopped.
+        config.handler_threads = Some(2);
+        let s = Scheduler::builder(db.pool.clone(), config)
+            .register(Obliging)
+            .start()
+            .await
+            .unwrap();
+        let ids = s
+            .enqueue_many(
+                (0..16)
+                    .map(|_| NewJob::new(Obliging::KIND, &()).unwrap())
+                    .collect(),
+            )
+            .await
+            .unwrap();
+        wait_until(10, "all sixteen running", || async {
+            db.count_where("jobs", "state = 'running'").await == 16
+        })
+        .await;
+        let report = s.shutdown().await.unwrap();
+        assert_eq!(report.cancelled, 16, "{report:?}");
+        let mut failed = Vec::new();
+        for id in ids {
+            let job = db.store.job(id).await.unwrap();
+            if (job.state, job.attempts) != (JobState::Pending, 0) {
+                failed.push(format!("{job:?}"));
+            }
+        }
+        assert!(
+            failed.is_empty(),
+            "counted as failed at shutdown: {failed:#?}"
+        );
+        let late = db
+            .count_where(
+                "jobs",
+                "available_at > now() OR last_error LIKE '%asked to stop%'",
+            )
+            .await;
+        assert_eq!(late, 0, "jobs given a backoff or a failure at shutdown");
+        own.drop().await;
+    }))
+}

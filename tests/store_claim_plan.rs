@@ -183,3 +183,76 @@ async fn a_spent_byte_budget_claims_nothing_unless_nothing_is_held() {
     })
     .await
 }
+
+/// Shared buffers one claim of `limit` jobs from `default` touched, whole function
+/// included (nothing is claimed: the transaction is rolled back).
+async fn claim_buffers(db: &TestDb, limit: i32) -> i64 {
+    use sqlx::Connection;
+    let mut conn = db.raw_conn("buffers").await;
+    let mut tx = conn.begin().await.unwrap();
+    let plan: serde_json::Value = sqlx::query_scalar(&format!(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM \"{}\".claim(ARRAY['default'], \
+         NULL, $1, 9223372036854775807, true, 'buffers', NULL, 30, false)",
+        db.schema
+    ))
+    .bind(limit)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    conn.close().await.unwrap();
+    plan[0]["Plan"]["Shared Hit Blocks"].as_i64().unwrap()
+        + plan[0]["Plan"]["Shared Read Blocks"].as_i64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_steps_over_the_entries_of_jobs_claimed_before_it_once() {
+    bounded(async {
+        let db = TestDb::with_options("claim_plan_walk_once", StoreOptions::default(), 2).await;
+        let total = 60_000;
+        load(&db, "default", total, None).await;
+        // Warm: the first claim of a session also reads the catalog.
+        claim_buffers(&db, 32).await;
+        let before = claim_buffers(&db, 32).await;
+        // Claim 40,000: their pending versions' index entries stay ahead of the queue's
+        // first pending job until VACUUM (none runs here).
+        let w = owner("w");
+        for _ in 0..40 {
+            assert_eq!(db.store.claim(&claim_req(&w, 1000)).await.unwrap().len(), 1000);
+        }
+        let index_pages: i64 = sqlx::query_scalar(&format!(
+            "SELECT pg_relation_size('\"{}\".jobs_claimable_by_queue') / current_setting('block_size')::int8",
+            db.schema
+        ))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        // The index holds one entry per job loaded (none was inserted since): the
+        // claimed ones fill about 40/60 of its pages.
+        let claimed_pages = index_pages * 40 / 60;
+        // A transaction elsewhere in the database (another test's) can keep the claimed
+        // entries from being marked dead, and then each is checked against its row:
+        // the least of a few tries is the walk over marked entries.
+        let mut after = i64::MAX;
+        for _ in 0..10 {
+            after = after.min(claim_buffers(&db, 32).await);
+            if after - before <= claimed_pages * 13 / 10 + 20 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let walked = after - before;
+        assert!(
+            walked >= claimed_pages / 2,
+            "the claim should have had to step over about {claimed_pages} pages of claimed \
+             entries (walked {walked}: before {before}, after {after}); is VACUUM running?"
+        );
+        assert!(
+            walked <= claimed_pages * 13 / 10 + 20,
+            "a claim stepped over the claimed entries more than once: {walked} pages more \
+             than on the fresh table, against {claimed_pages} pages of them"
+        );
+        db.drop().await;
+    })
+    .await
+}

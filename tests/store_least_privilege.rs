@@ -374,6 +374,8 @@ fn the_runtime_role_runs_a_scheduler_and_every_admin_call() {
         assert_eq!(report.cancelled, 1, "{report:?}");
         assert_eq!(report.metrics.in_flight, 0);
         assert_eq!(db.state_of(straggler).await, "pending", "released");
+        let j = db.store.job(straggler).await.unwrap();
+        assert_eq!(j.attempts, 0, "released, the attempt not counted: {j:?}");
 
         store_calls(&db, store, straggler).await;
 

@@ -118,6 +118,20 @@ pub fn config(concurrency: usize, history: bool) -> Config {
         ..Config::default()
     };
     c.store.full_history = history;
+    // An experiment's knob, not a recommendation: the default is what users get.
+    if let Some(n) = std::env::var("LEASEHOLD_BENCH_CLAIM_AHEAD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        c.claim_ahead = n;
+    }
+    // The same: `0` runs handlers on the scheduler's own thread (see `Config::handler_threads`).
+    if let Some(n) = std::env::var("LEASEHOLD_BENCH_HANDLER_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        c.handler_threads = Some(n);
+    }
     c
 }
 

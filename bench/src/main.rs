@@ -6,15 +6,17 @@
 //!     cargo run --release -p leasehold-bench -- --quick   # smaller sizes, a smoke run (targets not judged)
 //!
 //! Other flags: `--runs N` (default 3; every figure is the median of N runs, printed
-//! with the spread), `--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,peer`
+//! with the spread), `--only ceiling,e2e,pooler,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,dashboard,peer`
 //! (`micro`: a statement-cost diagnostic; `peer`: graphile_worker, the fastest peer, with its
 //! documented throughput recipe, each figure right after leasehold's matching run — unkeyed
-//! at concurrency 1 and 32, keyed, idle latency — see `bench/src/peer.rs`),
+//! at concurrency 1 and 32, keyed, idle latency — see `bench/src/peer.rs`; `pooler`:
+//! through a PgBouncer in transaction mode that it starts, see `bench/src/pooler.rs`),
 //! `--pool N` (connections of the scheduler's pool, default 24), `--history` (write the
 //! `claimed`/`completed` history events, `StoreOptions::full_history`).
 //!
 //! Needs a PostgreSQL on 127.0.0.1:5432 that lets the current user in (or
-//! DATABASE_URL). It connects to the `postgres` database, creates `leasehold_bench`,
+//! DATABASE_URL). It connects to the `postgres` database, creates `leasehold_bench` (or
+//! `LEASEHOLD_BENCH_DB`),
 //! and works in the schema `bench` there, which it drops and recreates (the peer: in
 //! `bench_graphile_worker`, dropped before each of its measurements). `BENCH_DEBUG=1`
 //! prints what each scheduler did (claims, batch sizes, process CPU).
@@ -41,11 +43,13 @@ thread_local! {
     static START: Instant = Instant::now();
 }
 
+mod dashboard;
 mod footprint;
 mod handlers;
 mod latency;
 mod notify;
 mod peer;
+mod pooler;
 mod report;
 mod sections;
 mod setup;
@@ -105,7 +109,7 @@ fn args() -> Args {
 }
 
 const HELP: &str = "usage: bench [--json] [--quick] [--runs N] [--pool N] [--history] \
-[--only ceiling,e2e,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,peer]";
+[--only ceiling,e2e,pooler,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,dashboard,peer]";
 
 #[actix::main]
 async fn main() {
@@ -142,7 +146,7 @@ async fn main() {
     }
     say!(
         "database {} schema {}, pool {} connections, {} runs per figure",
-        setup::DB,
+        setup::db(),
         setup::SCHEMA,
         a.pool,
         run.runs
@@ -155,6 +159,9 @@ async fn main() {
         run.micro().await;
     }
     let unkeyed_32 = run.ceiling_and_e2e(want("ceiling"), want("e2e")).await;
+    if want("pooler") {
+        run.pooler().await;
+    }
     if want("enqueue") {
         run.enqueue().await;
     }
@@ -188,6 +195,9 @@ async fn main() {
     }
     if want("stats") {
         run.stats().await;
+    }
+    if want("dashboard") {
+        run.dashboard().await;
     }
 
     if a.quick {

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 use super::peer::{self, Peer};
 use super::report::{self, Goal, Row, Stat};
 use super::throughput::EnqueueWay;
-use super::{footprint, handlers, latency, notify, setup, throughput};
+use super::{footprint, handlers, latency, notify, pooler, setup, throughput};
 
 /// Workload sizes: the for the default run, smaller for `--quick`.
 pub struct Sizes {
@@ -30,6 +30,8 @@ pub struct Sizes {
     pub cpu_jobs: u64,
     /// (done, pending) rows of the operator-figures section.
     pub stats_rows: (i64, i64),
+    /// Jobs in the dashboard section's table.
+    pub dashboard_rows: i64,
 }
 
 impl Sizes {
@@ -54,11 +56,12 @@ impl Sizes {
                 fresh_jobs: 5_000,
                 cpu_jobs: 500,
                 stats_rows: (100_000, 10_000),
+                dashboard_rows: 100_000,
             }
         } else {
             Sizes {
                 ceiling_jobs: 60_000,
-                e2e: vec![(1, 3_000), (8, 20_000), (32, 100_000), (128, 100_000)],
+                e2e: vec![(1, 20_000), (8, 20_000), (32, 100_000), (128, 100_000)],
                 enqueue_one: 2_000,
                 enqueue_bulk: 100_000,
                 latency_secs: 3.0,
@@ -75,6 +78,7 @@ impl Sizes {
                 fresh_jobs: 20_000,
                 cpu_jobs: 3_000,
                 stats_rows: (1_000_000, 100_000),
+                dashboard_rows: 1_000_000,
             }
         }
     }
@@ -215,6 +219,46 @@ impl Run {
             }
         }
         unkeyed_32
+    }
+
+    /// No-op throughput at concurrency 32 through PgBouncer in transaction mode, each run
+    /// right after the same drain straight to PostgreSQL.
+    pub async fn pooler(&mut self) {
+        let Some(&(c, n)) = self.sizes.e2e.iter().find(|&&(c, _)| c == 32) else {
+            return;
+        };
+        let bouncer = pooler::PgBouncer::start(pooler::SERVER_CONNECTIONS);
+        let (mut direct, mut pooled) = (Vec::new(), Vec::new());
+        setup::checkpoint(&self.store).await;
+        for r in 0..self.runs {
+            let d = throughput::throughput(&self.store, c, n, self.history).await;
+            let p =
+                pooler::through_pooler(&self.store, &bouncer, self.pool_conns as u32, c, n).await;
+            say!(
+                "run {}/{}: concurrency {c}: direct {} jobs/s, through PgBouncer {} jobs/s",
+                r + 1,
+                self.runs,
+                report::num(d),
+                report::num(p)
+            );
+            direct.push(d);
+            pooled.push(p);
+        }
+        drop(bouncer);
+        let ratio = paired_ratio(&pooled, &direct);
+        self.rows.push(
+            Row::new(
+                "through PgBouncer 1.18, pool_mode = transaction (StoreOptions::transaction_pooler)",
+                format!(
+                    "no-op, concurrency {c} ({n} jobs), {} server connections, pool {} clients",
+                    pooler::SERVER_CONNECTIONS,
+                    self.pool_conns
+                ),
+                Stat::of(pooled),
+                "jobs/s",
+            )
+            .ratio(ratio, "direct, same run"),
+        );
     }
 
     /// Enqueue one at a time, batched and by COPY, each round right after a raw COPY.

@@ -6,7 +6,16 @@ use leasehold::{Store, StoreOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
-pub const DB: &str = "leasehold_bench";
+/// The bench database: `leasehold_bench`, or `LEASEHOLD_BENCH_DB` (letters, digits and
+/// `_`). Two benches at once must not share one: each drops and recreates its schema.
+pub fn db() -> String {
+    let name = std::env::var("LEASEHOLD_BENCH_DB").unwrap_or_else(|_| "leasehold_bench".into());
+    assert!(
+        !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+        "LEASEHOLD_BENCH_DB must be letters, digits and _: {name:?}"
+    );
+    name
+}
 pub const SCHEMA: &str = "bench";
 pub const QUEUE: &str = "default";
 
@@ -20,6 +29,7 @@ pub fn server_options() -> PgConnectOptions {
 /// return options for it.
 pub async fn bench_database() -> PgConnectOptions {
     let opts = server_options();
+    let db = db();
     let mut admin = opts
         .clone()
         .database("postgres")
@@ -28,18 +38,18 @@ pub async fn bench_database() -> PgConnectOptions {
         .expect("connect to PostgreSQL (database postgres)");
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-            .bind(DB)
+            .bind(&db)
             .fetch_one(&mut admin)
             .await
             .expect("read pg_database");
     if !exists {
         // Two benches starting at once: the loser's error is harmless.
-        let _ = sqlx::query(&format!("CREATE DATABASE {DB}"))
+        let _ = sqlx::query(&format!("CREATE DATABASE {db}"))
             .execute(&mut admin)
             .await;
     }
     admin.close().await.ok();
-    opts.database(DB)
+    opts.database(&db)
 }
 
 pub async fn pool(opts: &PgConnectOptions, size: u32) -> PgPool {
@@ -79,7 +89,9 @@ pub async fn fresh_schema(pool: &PgPool, schema: &str, full_history: bool) -> St
 /// Empty every table, so each run starts from the same state.
 pub async fn reset(store: &Store) {
     let s = store.schema().quoted();
-    sqlx::query(&format!(
+    // Unprepared (simple protocol), as the other setup statements here: the pooler row
+    // runs them through a transaction-mode PgBouncer, where a named statement collides.
+    sqlx::raw_sql(&format!(
         "TRUNCATE {s}.jobs, {s}.job_events, {s}.job_keys, {s}.lease_expiries, {s}.effects \
          RESTART IDENTITY"
     ))
@@ -91,12 +103,12 @@ pub async fn reset(store: &Store) {
 /// Flush dirty pages now, so a checkpoint forced by the WAL of an earlier section does
 /// not land in the middle of the next one (a no-op without the privilege).
 pub async fn checkpoint(store: &Store) {
-    let _ = sqlx::query("CHECKPOINT").execute(store.pool()).await;
+    let _ = sqlx::raw_sql("CHECKPOINT").execute(store.pool()).await;
 }
 
 /// Fresh statistics (this server runs with autovacuum off, so nothing else makes them).
 pub async fn analyze(store: &Store) {
-    sqlx::query(&format!("ANALYZE {}.jobs", store.schema().quoted()))
+    sqlx::raw_sql(&format!("ANALYZE {}.jobs", store.schema().quoted()))
         .execute(store.pool())
         .await
         .expect("analyze");
@@ -104,7 +116,7 @@ pub async fn analyze(store: &Store) {
 
 pub async fn vacuum_analyze(store: &Store) {
     for t in ["jobs", "job_keys", "job_events"] {
-        sqlx::query(&format!("VACUUM (ANALYZE) {}.{t}", store.schema().quoted()))
+        sqlx::raw_sql(&format!("VACUUM (ANALYZE) {}.{t}", store.schema().quoted()))
             .execute(store.pool())
             .await
             .expect("vacuum");

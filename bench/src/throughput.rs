@@ -186,6 +186,7 @@ async fn drain_noop(
     let t0 = Instant::now();
     let mut cfg = config(concurrency, history);
     cfg.schema = store.schema().name().to_string();
+    cfg.store.transaction_pooler = store.options().transaction_pooler;
     let s = Scheduler::builder(store.pool().clone(), cfg)
         .register(Noop { done: done.clone() })
         .start()

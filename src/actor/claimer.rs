@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use super::dispatch::{dispatch, release_ready, start_ready, wait_for_slot, GiveBack};
+use super::pace::Pace;
 use crate::env::Env;
 use crate::executor::hold;
 use crate::metrics::MailboxMeter;
@@ -94,6 +95,8 @@ pub(crate) struct Claimer {
     give_back_tick: Option<SpawnHandle>,
     /// A look at the paused queues is in flight.
     looking_at_pauses: bool,
+    /// Attempts ended per second lately: how far ahead to claim.
+    pace: Pace,
     meter: Arc<MailboxMeter>,
 }
 
@@ -130,8 +133,25 @@ impl Claimer {
             ahead_paused: false,
             give_back_tick: None,
             looking_at_pauses: false,
+            pace: Pace::new(Instant::now(), 0),
             meter,
         }
+    }
+
+    /// Jobs to hold claimed ahead now: `claim_ahead`, or what the recent pace starts in
+    /// `claim_ahead_window` if that is fewer.
+    fn ahead_target(&mut self) -> usize {
+        let cfg = &self.env.config;
+        let Some(window) = cfg.claim_ahead_window else {
+            return cfg.claim_ahead;
+        };
+        let c = &self.env.metrics.counters;
+        let ended = [&c.completed, &c.failed, &c.dead, &c.snoozed, &c.cancelled]
+            .iter()
+            .map(|n| n.load(std::sync::atomic::Ordering::Relaxed))
+            .sum();
+        self.pace.update(Instant::now(), ended);
+        self.pace.ahead(window, cfg.claim_ahead)
     }
 
     fn schedule(&mut self, ctx: &mut Context<Self>, after: Duration) {
@@ -185,9 +205,10 @@ impl Claimer {
             self.ahead_paused = true;
         }
         start_ready(&self.env);
+        let ahead_target = self.ahead_target();
         let cfg = &self.env.config;
         let free = self.env.slots.free();
-        let ahead_room = cfg.claim_ahead.saturating_sub(self.env.ready.len());
+        let ahead_room = ahead_target.saturating_sub(self.env.ready.len());
         let half_batch = cfg.claim_batch_max.min(cfg.concurrency).div_ceil(2);
         // A second statement alongside the first only while there is a backlog (the last
         // claim came back full) and for half a batch or more; otherwise what arrives
@@ -240,7 +261,7 @@ impl Claimer {
         }
         let ahead = if self.ahead_paused {
             0
-        } else if slots > 0 || ahead_room * 2 >= cfg.claim_ahead.max(1) {
+        } else if slots > 0 || ahead_room * 2 >= ahead_target.max(1) {
             ahead_room.min(cfg.claim_batch_max - slots)
         } else {
             0

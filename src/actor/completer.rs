@@ -68,6 +68,8 @@ pub(crate) struct Completer {
     batch: usize,
     flush_every: std::time::Duration,
     buffer: Vec<Complete>,
+    /// See [`Writer::key_waits`].
+    key_waits: Arc<tokio::sync::Semaphore>,
     /// Batches being written now.
     writing: usize,
     timer: Option<SpawnHandle>,
@@ -80,6 +82,10 @@ pub(crate) struct Completer {
 #[derive(Clone)]
 struct Writer {
     store: Store,
+    /// Completions that must wait for their key (a host's transaction holds it) take
+    /// turns on one connection, so however many keys hosts hold, the other connections
+    /// of the writer pool stay free for every other job's ending.
+    key_waits: Arc<tokio::sync::Semaphore>,
     owner: OwnerId,
     kinds: Arc<[String]>,
     lease: std::time::Duration,
@@ -102,6 +108,7 @@ impl Completer {
             batch: config.completion_batch,
             flush_every: config.completion_flush,
             buffer: Vec::new(),
+            key_waits: Arc::new(tokio::sync::Semaphore::new(1)),
             writing: 0,
             timer: None,
             meter: metrics.meter("completer"),
@@ -113,6 +120,7 @@ impl Completer {
     fn writer(&self) -> Writer {
         Writer {
             store: self.store.clone(),
+            key_waits: self.key_waits.clone(),
             owner: self.owner.clone(),
             kinds: self.kinds.clone(),
             lease: self.lease,
@@ -223,10 +231,17 @@ impl Writer {
             kinds: &self.kinds,
             lease: self.lease,
         };
-        let written = self
-            .store
-            .complete_keyed(&self.owner, &items, Some(&chain), wait)
-            .await;
+        let written = {
+            // One connection at most waits on keys that others hold; the permit is let
+            // go before a failed wait is written again one by one (which waits again).
+            let _turn = match wait {
+                true => Some(self.key_waits.acquire().await.expect("never closed")),
+                false => None,
+            };
+            self.store
+                .complete_keyed(&self.owner, &items, Some(&chain), wait)
+                .await
+        };
         match written {
             Ok(outcomes) => {
                 let mut busy = Vec::new();
@@ -268,10 +283,24 @@ impl Writer {
     /// A batch statement failed. On an error that may pass (a lost connection, a
     /// deadlock) every sender retries its own write. Any other error is a statement the database refused: write each completion
     /// alone, so whatever caused it fails only its own job, never its neighbours.
-    async fn failed(&self, batch: Vec<Complete>, e: Error, keyed: bool) {
+    ///
+    /// A lock wait that timed out (a host's transaction holds a row or a key of the
+    /// batch) is written one completion at a time too, so only the completion whose row
+    /// is held waits; that one gets the database's error itself, and its sender tries
+    /// again after a pause (see `executor::with_retries`).
+    async fn failed(&self, mut batch: Vec<Complete>, e: Error, keyed: bool) {
         self.metrics.incr(|c| &c.db_errors);
-        tracing::warn!(error = %e, n = batch.len(), "leasehold completion batch failed");
-        if e.is_transient() || batch.len() == 1 {
+        if e.is_lock_wait() {
+            tracing::debug!(error = %e, n = batch.len(), "leasehold completion waited too long for a lock");
+            if batch.len() == 1 {
+                let c = batch.pop().expect("one completion");
+                let _ = c.reply.send(Err(e));
+                return;
+            }
+        } else {
+            tracing::warn!(error = %e, n = batch.len(), "leasehold completion batch failed");
+        }
+        if (e.is_transient() && !e.is_lock_wait()) || batch.len() == 1 {
             let reason = e.to_string();
             let transient = e.is_transient();
             for c in batch {

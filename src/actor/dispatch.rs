@@ -157,29 +157,46 @@ pub(crate) fn dispatch(env: &Arc<Env>, ctx: JobContext) {
 async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static str) {
     let give_up = Instant::now() + env.config.lease;
     let mut pause = Duration::from_millis(50);
+    // Jobs still to release: all of them, until a lock wait splits them up.
+    let mut left: Vec<&JobContext> = jobs.iter().collect();
     loop {
-        let held: Vec<_> = jobs
-            .iter()
-            .filter(|j| j.cancel_reason() != Some(CancelReason::LeaseLost))
-            .map(|j| (j.job_id(), j.generation()))
-            .collect();
-        if held.is_empty() {
+        left.retain(|j| j.cancel_reason() != Some(CancelReason::LeaseLost));
+        if left.is_empty() {
             return;
         }
-        match env.store.release_many(&env.owner, &held, reason).await {
+        let held: Vec<_> = left.iter().map(|j| (j.job_id(), j.generation())).collect();
+        let e = match env.store.release_many(&env.owner, &held, reason).await {
             Ok(ids) => {
                 env.metrics.add(|c| &c.released, ids.len() as u64);
                 return;
             }
-            Err(e) if Instant::now() + pause < give_up => {
-                tracing::warn!(error = %e, "leasehold could not give waiting jobs back; trying again (they will not start here)");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(500));
+            // Another session holds one of the rows (its lock outlasted the writer's
+            // `lock_timeout`): release the others one by one, so only the held row
+            // waits for its lock.
+            Err(e) if e.is_lock_wait() && left.len() > 1 => {
+                let mut still = Vec::new();
+                for j in left {
+                    let one = [(j.job_id(), j.generation())];
+                    match env.store.release_many(&env.owner, &one, reason).await {
+                        Ok(ids) => env.metrics.add(|c| &c.released, ids.len() as u64),
+                        Err(_) => still.push(j),
+                    }
+                }
+                left = still;
+                if left.is_empty() {
+                    return;
+                }
+                e
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "leasehold could not release waiting jobs; dropping them here, their leases will expire if no release landed");
-                return;
-            }
+            Err(e) => e,
+        };
+        if Instant::now() + pause < give_up {
+            tracing::warn!(error = %e, "leasehold could not give waiting jobs back; trying again (they will not start here)");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        } else {
+            tracing::warn!(error = %e, "leasehold could not release waiting jobs; dropping them here, their leases will expire if no release landed");
+            return;
         }
     }
 }

@@ -7,7 +7,9 @@
 //! request lost in a reconnect is still delivered by the attempt's next renewal.
 //!
 //! # Lifecycle
-//! Runs on the maintenance arbiter on its own connection. When the connection drops
+//! Runs on the maintenance arbiter on its own connection: to the host pool's address,
+//! or to `Config::listen_url`. Behind a transaction-mode pooler without a listen URL it
+//! is not started (a pooled session cannot stay listening); polling alone finds work. When the connection drops
 //! (a restarted database, `pg_terminate_backend`), it reconnects with backoff and
 //! LISTENs again, and wakes the claimer once, since notifications sent during the gap
 //! are lost. A NOTIFY is only a hint: the claimer's bounded polling is what guarantees

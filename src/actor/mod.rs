@@ -17,6 +17,7 @@ pub(crate) mod completer;
 pub(crate) mod dispatch;
 pub(crate) mod lease_renewer;
 pub(crate) mod listener;
+pub(crate) mod pace;
 pub(crate) mod periodic;
 pub(crate) mod queue_limits;
 pub(crate) mod reaper;

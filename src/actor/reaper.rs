@@ -11,6 +11,9 @@
 //! number of reapers, in any number of processes, may run at once: the store's reap is
 //! one guarded statement. It never consults the handler registry.
 //!
+//! Each pass first writes the scheduler's heartbeat (the live-schedulers table that
+//! `leasehold status` and the dashboard show); `Stop` deletes it.
+//!
 //! # Failure
 //! A failed pass is counted and retried at the next tick.
 
@@ -18,10 +21,10 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::job::OwnerId;
 use crate::metrics::{MailboxMeter, Metrics};
-use crate::store::{Backoff, ReapReport, Store};
+use crate::store::{Backoff, Heartbeat, ReapReport, Store};
 
 /// Retention deletes at most this many rows of each kind per pass.
 const PRUNE_BATCH: i64 = 10_000;
@@ -44,6 +47,7 @@ pub(crate) struct Reaper {
     retention: Option<std::time::Duration>,
     /// Passes since idle key rows were last pruned (see [`KEY_PRUNE_EVERY`]).
     passes: u64,
+    heartbeat: Heartbeat,
     busy: bool,
     meter: Arc<MailboxMeter>,
     metrics: Arc<Metrics>,
@@ -57,6 +61,12 @@ impl Reaper {
         metrics: Arc<Metrics>,
     ) -> Self {
         Reaper {
+            heartbeat: Heartbeat {
+                owner: owner.to_string(),
+                queues: config.queues.clone(),
+                concurrency: config.concurrency.try_into().unwrap_or(i32::MAX),
+                every: config.reaper_interval,
+            },
             store,
             owner,
             backoff: config.retry.backoff,
@@ -79,7 +89,9 @@ impl Reaper {
         let retention = self.retention;
         self.passes += 1;
         let prune_keys = self.passes % KEY_PRUNE_EVERY == 1;
+        let heartbeat = self.heartbeat.clone();
         async move {
+            store.heartbeat(&heartbeat).await?;
             let mut total = ReapReport::default();
             loop {
                 let report = store.reap(&owner, &backoff, batch, None).await?;
@@ -115,6 +127,11 @@ impl Reaper {
                     |c| &c.reaped,
                     (r.retried.len() + r.dead.len() + r.cancelled.len()) as u64,
                 ),
+                // A tick that was in flight when the scheduler stopped finds its pool
+                // closed by the stop: nothing failed, and there is no next tick.
+                Err(Error::Database(sqlx::Error::PoolClosed)) => {
+                    tracing::debug!("leasehold reap ended by shutdown");
+                }
                 Err(e) => {
                     act.metrics.incr(|c| &c.db_errors);
                     tracing::warn!(error = %e, "leasehold reap failed; retrying next tick");
@@ -129,6 +146,16 @@ impl Actor for Reaper {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        // Listed as live from the start, not from the first pass.
+        let (store, heartbeat) = (self.store.clone(), self.heartbeat.clone());
+        ctx.spawn(
+            async move {
+                if let Err(e) = store.heartbeat(&heartbeat).await {
+                    tracing::warn!(error = %e, "leasehold: the first heartbeat failed; the reaper's passes write it again");
+                }
+            }
+            .into_actor(self),
+        );
         ctx.run_interval(self.interval, |act, ctx| {
             if !act.busy {
                 ctx.spawn(act.reap_once().map(|_, _, _| ()));
@@ -149,9 +176,15 @@ impl Handler<super::Stop> for Reaper {
     type Result = ResponseActFuture<Self, ()>;
     fn handle(&mut self, _: super::Stop, _: &mut Self::Context) -> Self::Result {
         let _m = self.meter.handling();
-        let pool = self.store.pool().clone();
+        let store = self.store.clone();
+        let owner = self.heartbeat.owner.clone();
         Box::pin(
-            async move { pool.close().await }
+            async move {
+                if let Err(e) = store.forget_scheduler(&owner).await {
+                    tracing::warn!(error = %e, "leasehold: this scheduler's heartbeat row could not be deleted; it stops being listed after three heartbeats");
+                }
+                store.pool().close().await
+            }
                 .into_actor(self)
                 .map(|_, _, ctx| ctx.stop()),
         )

@@ -21,63 +21,11 @@ use serde_json::json;
 use super::args::Target;
 use super::{Failure, Printed};
 use crate::error::Error;
-use crate::job::{JobId, JobState};
-use crate::store::{CancelOutcome, JobFilter, Store, MAX_PAGE};
+use crate::job::JobId;
+use crate::store::{Action, JobFilter, Store, OPERATOR};
 
 /// Jobs one bulk action selects at most: past this, narrow the filter.
 const MAX_SELECTED: usize = 100_000;
-
-/// An operator action.
-pub(crate) enum Action<'a> {
-    /// Dead → pending (or waiting behind its key).
-    Retry,
-    /// With its reason; with filters, only jobs in the state given.
-    Cancel(&'a str, Option<JobState>),
-    /// Pending → held.
-    Hold,
-    /// Held → pending.
-    Release,
-}
-
-impl Action<'_> {
-    fn name(&self) -> &'static str {
-        match self {
-            Action::Retry => "retry",
-            Action::Cancel(..) => "cancel",
-            Action::Hold => "hold",
-            Action::Release => "release",
-        }
-    }
-
-    /// The states a filter selects for this action: the ones it applies to.
-    fn states(&self) -> Vec<JobState> {
-        match self {
-            Action::Retry => vec![JobState::Dead],
-            Action::Hold => vec![JobState::Pending],
-            Action::Release => vec![JobState::Held],
-            Action::Cancel(_, Some(state)) => vec![*state],
-            Action::Cancel(_, None) => JobState::ALL
-                .into_iter()
-                .filter(|s| !matches!(s, JobState::Done | JobState::Cancelled))
-                .collect(),
-        }
-    }
-
-    /// Do it to one job; `Some(note)` when it is a request rather than a transition.
-    async fn apply(&self, store: &Store, id: JobId) -> Result<Option<&'static str>, Error> {
-        match self {
-            Action::Retry => store.retry_dead(id).await?,
-            Action::Hold => store.hold(id).await?,
-            Action::Release => store.release_hold(id).await?,
-            Action::Cancel(reason, _) => {
-                if store.cancel(id, reason).await? == CancelOutcome::Requested {
-                    return Ok(Some("it is running: its owner was asked to stop, and it ends cancelled unless that attempt completes"));
-                }
-            }
-        }
-        Ok(None)
-    }
-}
 
 /// Run `action` on the target: one job, or the selection after confirmation.
 pub(crate) async fn run(
@@ -95,7 +43,7 @@ pub(crate) async fn run(
 /// (a retried job of a busy key is `waiting`, not `pending`).
 async fn one(store: &Store, id: JobId, action: &Action<'_>) -> Result<Printed, Failure> {
     let before = store.job(id).await?.state;
-    let note = action.apply(store, id).await?;
+    let note = store.act(id, action, OPERATOR).await?;
     let after = store.job(id).await?.state;
     let mut text = format!("job {id}: {} done, {before} -> {after}\n", action.name());
     if let Some(note) = note {
@@ -122,7 +70,7 @@ async fn many(store: &Store, target: &Target, action: &Action<'_>) -> Result<Pri
     let mut done = Vec::new();
     let mut refused = Vec::new();
     for &id in &ids {
-        match action.apply(store, id).await {
+        match store.act(id, action, OPERATOR).await {
             Ok(_) => done.push(id),
             Err(e @ (Error::InvalidTransition { .. } | Error::JobNotFound(_))) => {
                 refused.push((id, e.to_string()))
@@ -161,32 +109,15 @@ async fn select(
     target: &Target,
     action: &Action<'_>,
 ) -> Result<Vec<JobId>, Failure> {
-    let mut ids = Vec::new();
-    for state in action.states() {
-        let mut filter = JobFilter {
-            queue: target.queue.clone(),
-            kind: target.kind.clone(),
-            key: target.key.clone(),
-            state: Some(state),
-            limit: MAX_PAGE,
-            ..JobFilter::default()
-        };
-        loop {
-            let page = store.list_jobs(&filter).await?;
-            ids.extend(page.iter().map(|j| j.id));
-            if ids.len() > MAX_SELECTED {
-                return Err(Failure::Refused(format!(
-                    "more than {MAX_SELECTED} jobs match; nothing was changed (narrow the filter)"
-                )));
-            }
-            match page.last() {
-                Some(last) if page.len() as i64 == MAX_PAGE => filter.after = Some(last.id),
-                _ => break,
-            }
-        }
-    }
-    ids.sort();
-    Ok(ids)
+    let filter = JobFilter {
+        queue: target.queue.clone(),
+        kind: target.kind.clone(),
+        key: target.key.clone(),
+        ..JobFilter::default()
+    };
+    Ok(store
+        .job_ids(&filter, &action.states(), MAX_SELECTED)
+        .await?)
 }
 
 /// `--yes`, or a `y` at the prompt when a person is at the terminal.

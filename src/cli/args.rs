@@ -18,6 +18,12 @@ pub(crate) struct Cli {
     /// The schema holding leasehold's tables (`Config::schema`).
     #[arg(long, default_value = DEFAULT_SCHEMA, global = true)]
     pub schema: String,
+    /// The URL goes through a transaction-mode pooler (PgBouncer `pool_mode =
+    /// transaction`): no named prepared statements, no session state
+    /// (`StoreOptions::transaction_pooler`). Without it, a second command through the
+    /// same server connection fails with "prepared statement ... already exists".
+    #[arg(long, env = "LEASEHOLD_TRANSACTION_POOLER", global = true)]
+    pub transaction_pooler: bool,
     /// Print JSON for scripts instead of tables for people.
     #[arg(long, global = true)]
     pub json: bool,
@@ -30,7 +36,8 @@ pub(crate) enum Command {
     /// Per queue: jobs by state, the oldest eligible job's wait, the oldest running
     /// job's time since its claim, lease expiries, blocked keys.
     Status,
-    /// List jobs by ascending id, one page at a time.
+    /// List jobs one page at a time: by ascending id, except pending jobs (in claim
+    /// order: queue, priority, due time) and waiting jobs (by queue, key and position).
     Jobs(JobsArgs),
     /// One job: its row, history, expired leases and recorded effects.
     #[command(alias = "show")]

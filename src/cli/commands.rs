@@ -6,12 +6,12 @@ use std::time::Duration;
 use chrono::Utc;
 use serde_json::json;
 
-use super::actions::{self, Action};
+use super::actions;
 use super::args::{Command, JobsArgs};
 use super::text::{age, shown_opt, since, table};
 use super::{show, Failure, Printed};
 use crate::job::{JobId, JobState};
-use crate::store::{JobFilter, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
+use crate::store::{Action, JobFilter, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
 
 /// Run one command.
 pub(crate) async fn dispatch(store: &Store, command: &Command) -> Result<Printed, Failure> {
@@ -74,14 +74,33 @@ async fn status(store: &Store) -> Result<Printed, Failure> {
         ]);
         rows.push(row);
     }
-    let text = if stats.is_empty() {
+    let mut text = if stats.is_empty() {
         "no open jobs\n".to_string()
     } else {
         table(&headers, &rows)
     };
+    // The processes that run them, by their heartbeats (see `Store::live_schedulers`).
+    let live = store.live_schedulers().await?;
+    if live.is_empty() {
+        text += "\nno live scheduler\n";
+    } else {
+        let rows: Vec<Vec<String>> = live
+            .iter()
+            .map(|s| {
+                vec![
+                    s.owner.clone(),
+                    s.queues.join(","),
+                    s.concurrency.to_string(),
+                    age(s.seen_secs_ago),
+                ]
+            })
+            .collect();
+        text += "\n";
+        text += &table(&["SCHEDULER", "QUEUES", "CONCURRENCY", "LAST SEEN"], &rows);
+    }
     Ok(Printed {
         text,
-        json: json!({ "queues": stats }),
+        json: json!({ "queues": stats, "schedulers": live }),
     })
 }
 

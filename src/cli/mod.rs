@@ -135,5 +135,9 @@ async fn connect(cli: &Cli) -> Result<Store, Failure> {
         .connect_with(options)
         .await
         .map_err(|e| Failure::Failed(format!("cannot connect to PostgreSQL: {e}")))?;
-    Ok(Store::new(pool, &cli.schema, StoreOptions::default())?)
+    let options = StoreOptions {
+        transaction_pooler: cli.transaction_pooler,
+        ..StoreOptions::default()
+    };
+    Ok(Store::new(pool, &cli.schema, options)?)
 }

@@ -19,6 +19,12 @@ use crate::job::OwnerId;
 pub(crate) const MAINTENANCE_SESSION: &str =
     "SET lock_timeout = '5s'; SET statement_timeout = '60s'; SET idle_in_transaction_session_timeout = '60s'";
 
+/// How long a write of a job's ending waits for a lock before it gives its connection
+/// back and tries again later (see [`SidePools::writer`]). Long enough for the locks
+/// the scheduler's own statements take (an enqueue into the key, a promotion: a few
+/// milliseconds), short against a lease.
+pub(crate) const WRITER_LOCK_WAIT: Duration = Duration::from_millis(250);
+
 /// Makes the scheduler's own small pools, named after their role and the owner.
 #[derive(Clone)]
 pub(crate) struct SidePools {
@@ -30,13 +36,25 @@ pub(crate) struct SidePools {
 impl SidePools {
     /// A one-connection pool for `role`, named `leasehold-<role> <pid>:<nonce>` in
     /// `pg_stat_activity` (see [`OwnerId::short`]). The renewer and reaper sessions
-    /// get [`MAINTENANCE_SESSION`].
+    /// get [`MAINTENANCE_SESSION`], unless they go through a transaction pooler: a
+    /// session `SET` there would stay on whichever server connection ran it, for the
+    /// next client of that connection, and be missing from the next one we get.
     pub fn pool(&self, role: &str) -> PgPool {
+        self.session_pool(role, self.connect.clone())
+    }
+
+    /// The listener's one-connection pool, connecting with `options` (the host pool's,
+    /// or `Config::listen_url`'s).
+    pub fn listener(&self, options: PgConnectOptions) -> PgPool {
+        self.session_pool("listener", options)
+    }
+
+    fn session_pool(&self, role: &str, connect: PgConnectOptions) -> PgPool {
         let name = format!("leasehold-{role} {}", self.owner.short());
-        let maintenance = role != "listener";
+        let maintenance = role != "listener" && !self.config.store.transaction_pooler;
         // As the renewer's own bound (`LeaseRenewer::answer_within`).
         let statement_timeout = self.config.renew_interval.max(self.config.lease / 2);
-        let renewer = role == "renewer";
+        let renewer = maintenance && role == "renewer";
         PgPoolOptions::new()
             .max_connections(1)
             .acquire_timeout(Duration::from_secs(5))
@@ -58,7 +76,7 @@ impl SidePools {
                     Ok(())
                 })
             })
-            .connect_lazy_with(self.connect.clone().application_name(&name))
+            .connect_lazy_with(connect.application_name(&name))
     }
 
     pub fn maker(&self, role: &'static str) -> impl FnOnce() -> PgPool + Send + 'static {
@@ -81,10 +99,49 @@ impl SidePools {
     /// The pool the scheduler writes job endings with (completions, failures,
     /// releases) and fetches a key's next job: `config.connections` connections, named
     /// `leasehold-writer <pid>:<nonce>`.
+    /// The pool of the context handlers get when they do not run on the host's
+    /// runtime (`Config::handler_threads` set): up to one connection per slot, at most
+    /// 16, opened when a handler first writes (most handlers never do).
+    pub fn handlers(&self) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(self.config.concurrency.clamp(1, 16) as u32)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(
+                self.connect
+                    .clone()
+                    .application_name(&format!("leasehold-handlers {}", self.owner.short())),
+            )
+    }
+
+    ///
+    /// Its sessions wait at most [`WRITER_LOCK_WAIT`] for a lock (`lock_timeout`): a
+    /// key's head completing, failing or being released while a host's open transaction
+    /// holds the key (its `enqueue_in`, say) must not sit on one of these few
+    /// connections for as long as the host takes, or every other job's ending waits for
+    /// a connection behind it (found by the fault harness: three keys held by hosts
+    /// stalled all of a process's completions). The write is tried again after a pause,
+    /// holding no connection meanwhile; the lease is renewed all along. Behind a
+    /// transaction pooler, where a session `SET` would stay on the server connection for
+    /// its next client, each of the writer's transactions sets it instead (`SET LOCAL`
+    /// with its `BEGIN`: `Store::with_pooled_lock_wait`).
     pub fn writer(&self) -> PgPool {
+        let bounded = !self.config.store.transaction_pooler;
         PgPoolOptions::new()
             .max_connections(self.config.connections)
             .acquire_timeout(Duration::from_secs(5))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if bounded {
+                        let ms = WRITER_LOCK_WAIT.as_millis();
+                        sqlx::Executor::execute(
+                            &mut *conn,
+                            sqlx::raw_sql(&format!("SET lock_timeout = {ms}")),
+                        )
+                        .await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect_lazy_with(
                 self.connect
                     .clone()

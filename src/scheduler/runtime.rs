@@ -13,8 +13,10 @@
 //! # Where handlers run
 //! On the runtime `start` was called from (the host's: an actix worker's arbiter, or a
 //! tokio runtime), so a handler uses the host's pool and clients on the runtime that
-//! made them; or, with `Config::handler_threads`, on a multi-thread runtime of the
-//! scheduler's own (CPU-heavy handlers then use every core and cannot stall the host).
+//! made them; or, with `Config::handler_threads = Some(n)`, on a multi-thread runtime of
+//! the scheduler's own (CPU-heavy handlers then use every core and cannot stall the
+//! host); or, with `Some(0)`, on the scheduler's own thread beside its actors (fast
+//! handlers then start and end without a hand-over between threads).
 //!
 //! # Lifecycle
 //! `start` spawns the thread, builds the actors there and returns when they run. The
@@ -43,7 +45,7 @@ use crate::actor::reaper::Reaper;
 use crate::actor::{stopped, Metered, Slots, Stop};
 use crate::config::Config;
 use crate::context::CancelReason;
-use crate::env::Env;
+use crate::env::{Env, Handlers};
 use crate::error::{Error, Result};
 use crate::handler::{Registry, RetryDelay};
 use crate::job::OwnerId;
@@ -159,6 +161,7 @@ pub(super) async fn start(
     host_store.migrate().await?;
     let owner = OwnerId::generate();
     let (handler_runtime, handlers) = match config.handler_threads {
+        Some(0) => (None, Handlers::SchedulerThread),
         Some(n) => {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(n)
@@ -170,9 +173,9 @@ pub(super) async fn start(
                     reason: format!("cannot start the handlers' runtime: {e}"),
                 })?;
             let handle = rt.handle().clone();
-            (Some(rt), handle)
+            (Some(rt), Handlers::Runtime(handle))
         }
-        None => (None, tokio::runtime::Handle::current()),
+        None => (None, Handlers::Runtime(tokio::runtime::Handle::current())),
     };
     let side = SidePools {
         connect: (*pool.connect_options()).clone(),
@@ -220,12 +223,16 @@ fn build(
     config: Config,
     registry: Registry,
     host_store: Store,
-    handlers: tokio::runtime::Handle,
+    handlers: Handlers,
     schedules: Vec<Periodic>,
 ) -> Started {
     let owner = side.owner.clone();
     let metrics = Arc::new(Metrics::default());
-    let store = host_store.with_pool(side.writer());
+    // The writer's lock waits are bounded (see `SidePools::writer`): by its sessions'
+    // setting, or behind a transaction pooler by each of its transactions.
+    let store = host_store
+        .with_pool(side.writer())
+        .with_pooled_lock_wait(super::pools::WRITER_LOCK_WAIT);
     let maintenance = Arbiter::new();
     let running: Running = Default::default();
     let renewer = {
@@ -268,9 +275,15 @@ fn build(
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(claim_session(&side.connect, &owner)),
     );
+    // Handlers off the host's runtime write through a pool of the scheduler's own.
+    let handler_store = match config.handler_threads {
+        None => host_store.clone(),
+        Some(_) => store.with_pool(side.handlers()),
+    };
     let env = Arc::new(Env {
         claim_store,
         store: store.clone(),
+        handler_store,
         host_store,
         handlers,
         kinds: registry.kinds(),
@@ -298,7 +311,7 @@ fn build(
     });
     let claimer = Metered::new(Claimer::new(env.clone()).start(), metrics.meter("claimer"));
     let _ = env.claimer.set(claimer.clone());
-    let listener = config.listen.then(|| {
+    let listener = config.listen_options(&side.connect).map(|options| {
         let channels = Channels {
             wake: store.schema().channel(),
             cancel: store.schema().cancel_channel(),
@@ -306,7 +319,7 @@ fn build(
         };
         let (claimer, metrics, side) = (claimer.clone(), metrics.clone(), side.clone());
         Listener::start_in_arbiter(&maintenance.handle(), move |_| {
-            Listener::new(side.pool("listener"), channels, claimer, running, metrics)
+            Listener::new(side.listener(options), channels, claimer, running, metrics)
         })
     });
     // On the scheduler's own arbiter, beside the claimer: the writer pool it uses was
@@ -422,6 +435,9 @@ impl Core {
         let all_stopped = self.stop_actors().await;
         env.claim_store.pool().close().await;
         env.store.pool().close().await;
+        if env.config.handler_threads.is_some() {
+            env.handler_store.pool().close().await;
+        }
         if !all_stopped {
             tracing::warn!("leasehold shutdown: an actor did not stop in time");
         }

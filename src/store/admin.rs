@@ -19,6 +19,7 @@ use std::time::Duration;
 use sqlx::postgres::PgRow;
 use sqlx::{Acquire, PgConnection, Row};
 
+use super::operator::OPERATOR;
 use super::{sanitize_error_text, secs, Store};
 use crate::error::{Error, Result};
 use crate::job::{Generation, JobEvent, JobId, JobRecord, JobState};
@@ -103,7 +104,7 @@ impl Store {
         ));
         let row = sqlx::query(&sql)
             .bind(id.0)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?;
         record_from_row(&row.ok_or(Error::JobNotFound(id))?)
     }
@@ -113,7 +114,7 @@ impl Store {
         let sql = self.schema().render(
             "SELECT job_id, generation, event, owner, at, detail FROM {s}.job_events WHERE job_id = $1 ORDER BY id",
         );
-        let rows = sqlx::query(&sql).bind(id.0).fetch_all(self.pool()).await?;
+        let rows = sqlx::query(&sql).bind(id.0).fetch_all(self.db()).await?;
         rows.iter()
             .map(|r| {
                 Ok(JobEvent {
@@ -135,7 +136,7 @@ impl Store {
             .render("SELECT queue, job_key FROM {s}.jobs WHERE id = $1");
         let (queue, key): (String, Option<String>) = sqlx::query_as(&peek)
             .bind(id.0)
-            .fetch_optional(&mut *conn)
+            .fetch_optional(self.on(&mut *conn))
             .await?
             .ok_or(Error::JobNotFound(id))?;
         if let Some(key) = key {
@@ -145,13 +146,16 @@ impl Store {
             sqlx::query(&lock)
                 .bind(&queue)
                 .bind(&key)
-                .execute(&mut *conn)
+                .execute(self.on(&mut *conn))
                 .await?;
         }
         let sql = self.schema().render(&format!(
             "SELECT {JOB_COLUMNS} FROM {{s}}.jobs WHERE id = $1 FOR UPDATE"
         ));
-        let row = sqlx::query(&sql).bind(id.0).fetch_one(&mut *conn).await?;
+        let row = sqlx::query(&sql)
+            .bind(id.0)
+            .fetch_one(self.on(&mut *conn))
+            .await?;
         record_from_row(&row)
     }
 
@@ -162,6 +166,7 @@ impl Store {
         to: JobState,
         event: &str,
         detail: &str,
+        by: &str,
     ) -> Result<()> {
         let sql = self.schema().render(
             "WITH u AS (
@@ -174,20 +179,21 @@ impl Store {
                  WHERE id = $1
                  RETURNING id, generation, queue, state)
              INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
-             SELECT id, generation, $3, 'operator', now(), $4 FROM u",
+             SELECT id, generation, $3, $5, now(), $4 FROM u",
         );
         sqlx::query(&sql)
             .bind(job.id.0)
             .bind(to.as_str())
             .bind(event)
             .bind(sanitize_error_text(detail))
-            .execute(&mut *conn)
+            .bind(sanitize_error_text(by))
+            .execute(self.on(&mut *conn))
             .await?;
         if to == JobState::Pending {
             sqlx::query("SELECT pg_notify($1, left($2, 1000))")
                 .bind(self.schema().channel())
                 .bind(&job.queue)
-                .execute(&mut *conn)
+                .execute(self.on(&mut *conn))
                 .await?;
         }
         Ok(())
@@ -218,6 +224,11 @@ impl Store {
     /// # }
     /// ```
     pub async fn hold(&self, id: JobId) -> Result<()> {
+        self.hold_by(id, OPERATOR).await
+    }
+
+    /// [`Store::hold`], recording `by` (who did it: a person, a tool) in the history.
+    pub async fn hold_by(&self, id: JobId, by: &str) -> Result<()> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
@@ -232,8 +243,15 @@ impl Store {
                 action: "hold",
             });
         }
-        self.set_state(&mut tx, &job, JobState::Held, "held", "held by operator")
-            .await?;
+        self.set_state(
+            &mut tx,
+            &job,
+            JobState::Held,
+            "held",
+            "held by operator",
+            by,
+        )
+        .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -243,6 +261,11 @@ impl Store {
     /// [`Error::InvalidTransition`] when the job is not held. See [`Store::hold`] for an
     /// example.
     pub async fn release_hold(&self, id: JobId) -> Result<()> {
+        self.release_hold_by(id, OPERATOR).await
+    }
+
+    /// [`Store::release_hold`], recording `by` in the history.
+    pub async fn release_hold_by(&self, id: JobId, by: &str) -> Result<()> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
@@ -260,6 +283,7 @@ impl Store {
             JobState::Pending,
             "unheld",
             "released by operator",
+            by,
         )
         .await?;
         tx.commit().await?;
@@ -289,6 +313,11 @@ impl Store {
     /// # }
     /// ```
     pub async fn cancel(&self, id: JobId, reason: &str) -> Result<CancelOutcome> {
+        self.cancel_by(id, reason, OPERATOR).await
+    }
+
+    /// [`Store::cancel`], recording `by` in the history.
+    pub async fn cancel_by(&self, id: JobId, reason: &str, by: &str) -> Result<CancelOutcome> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
@@ -303,14 +332,14 @@ impl Store {
         let detail = format!("cancelled by operator: {reason}");
         if job.state == JobState::Running {
             if job.cancel_requested_at.is_none() {
-                self.request_cancel(&mut tx, &job, &detail).await?;
+                self.request_cancel(&mut tx, &job, &detail, by).await?;
             }
             tx.commit().await?;
             return Ok(CancelOutcome::Requested);
         }
         let left_key_already =
             job.state == JobState::Dead && !self.dead_blocks_key(&mut tx, id).await?;
-        self.set_state(&mut tx, &job, JobState::Cancelled, "cancelled", &detail)
+        self.set_state(&mut tx, &job, JobState::Cancelled, "cancelled", &detail, by)
             .await?;
         if let (Some(key), false) = (job.key.clone(), left_key_already) {
             let keys = [(job.queue.clone(), key)];
@@ -331,23 +360,25 @@ impl Store {
         conn: &mut PgConnection,
         job: &JobRecord,
         detail: &str,
+        by: &str,
     ) -> Result<()> {
         let sql = self.schema().render(
             "WITH u AS (
                  UPDATE {s}.jobs SET cancel_requested_at = clock_timestamp(), last_error = $2
                  WHERE id = $1 RETURNING id, generation)
              INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
-             SELECT id, generation, 'cancel_requested', 'operator', clock_timestamp(), $2 FROM u",
+             SELECT id, generation, 'cancel_requested', $3, clock_timestamp(), $2 FROM u",
         );
         sqlx::query(&sql)
             .bind(job.id.0)
             .bind(sanitize_error_text(detail))
-            .execute(&mut *conn)
+            .bind(sanitize_error_text(by))
+            .execute(self.on(&mut *conn))
             .await?;
         sqlx::query("SELECT pg_notify($1, $2)")
             .bind(self.schema().cancel_channel())
             .bind(job.id.0.to_string())
-            .execute(&mut *conn)
+            .execute(self.on(&mut *conn))
             .await?;
         Ok(())
     }
@@ -383,6 +414,11 @@ impl Store {
     /// # }
     /// ```
     pub async fn retry_dead(&self, id: JobId) -> Result<()> {
+        self.retry_dead_by(id, OPERATOR).await
+    }
+
+    /// [`Store::retry_dead`], recording `by` in the history.
+    pub async fn retry_dead_by(&self, id: JobId, by: &str) -> Result<()> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
@@ -403,7 +439,7 @@ impl Store {
             let (seq, open): (i64, i64) = sqlx::query_as(&sql)
                 .bind(&job.queue)
                 .bind(key)
-                .fetch_one(&mut *tx)
+                .fetch_one(self.on(&mut tx))
                 .await?;
             let resequence = self
                 .schema()
@@ -411,7 +447,7 @@ impl Store {
             sqlx::query(&resequence)
                 .bind(id.0)
                 .bind(seq)
-                .execute(&mut *tx)
+                .execute(self.on(&mut tx))
                 .await?;
             if open > 1 {
                 to = JobState::Waiting;
@@ -420,13 +456,17 @@ impl Store {
         let reset = self
             .schema()
             .render("UPDATE {s}.jobs SET attempts = 0 WHERE id = $1");
-        sqlx::query(&reset).bind(id.0).execute(&mut *tx).await?;
+        sqlx::query(&reset)
+            .bind(id.0)
+            .execute(self.on(&mut tx))
+            .await?;
         self.set_state(
             &mut tx,
             &job,
             to,
             "retried_by_operator",
             "retried by operator",
+            by,
         )
         .await?;
         tx.commit().await?;
@@ -439,7 +479,7 @@ impl Store {
             .render("SELECT dead_blocks_key FROM {s}.jobs WHERE id = $1");
         Ok(sqlx::query_scalar(&sql)
             .bind(id.0)
-            .fetch_one(&mut *conn)
+            .fetch_one(self.on(&mut *conn))
             .await?)
     }
 
@@ -465,18 +505,18 @@ impl Store {
         let jobs: i64 = sqlx::query_scalar(&self.sql().prune_jobs)
             .bind(secs(keep))
             .bind(limit)
-            .fetch_one(self.pool())
+            .fetch_one(self.db())
             .await?;
         let effects: i64 = sqlx::query_scalar(&self.sql().prune_effects)
             .bind(limit)
-            .fetch_one(self.pool())
+            .fetch_one(self.db())
             .await?;
         // Periodic fire records past retention: a schedule never fires a time at or
         // before its `last_fire_at`, so old records guard nothing.
         sqlx::query(&self.schema().render(PRUNE_FIRES))
             .bind(secs(keep))
             .bind(limit)
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(PruneReport {
             jobs: jobs as u64,
@@ -491,7 +531,7 @@ impl Store {
     pub(crate) async fn prune_keys(&self, limit: i64) -> Result<u64> {
         let keys: i64 = sqlx::query_scalar(&self.sql().prune_keys)
             .bind(limit)
-            .fetch_one(self.pool())
+            .fetch_one(self.db())
             .await?;
         Ok(keys as u64)
     }

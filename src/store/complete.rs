@@ -18,7 +18,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use sqlx::{Acquire, PgConnection, Row};
+use sqlx::{PgConnection, Row};
 
 use super::claim::claimed_from_row;
 use super::keys::{Chain, KeyRef};
@@ -119,14 +119,14 @@ impl Store {
         fence: &Fence,
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome> {
-        let mut tx = conn.begin().await?;
+        let mut tx = self.begin(conn).await?;
         let row = sqlx::query(&self.sql().complete)
             .bind(fence.job.0)
             .bind(fence.owner.as_str())
             .bind(fence.generation.0)
             .bind(&result)
             .bind(self.options().full_history)
-            .fetch_optional(&mut *tx)
+            .fetch_optional(self.on(&mut tx))
             .await?;
         let Some(row) = row else {
             tx.rollback().await?;
@@ -159,7 +159,7 @@ impl Store {
         let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
         let keys: HashMap<i64, KeyRef> = sqlx::query(&self.sql().keys_of)
             .bind(&ids)
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?
             .iter()
             .map(|r| {
@@ -253,7 +253,7 @@ impl Store {
             .bind(chain.map(|c| secs(c.lease)).unwrap_or(0.0))
             .bind(self.options().full_history)
             .bind(self.schema().channel())
-            .fetch_all(&mut *conn)
+            .fetch_all(self.on(&mut conn))
             .await?;
         let mut busy: HashSet<(i64, i64)> = HashSet::new();
         let mut done: HashSet<(i64, i64)> = HashSet::new();
@@ -336,7 +336,7 @@ impl Store {
             .bind(&results)
             .bind(owner.as_str())
             .bind(self.options().full_history)
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?
             .into_iter()
             .collect();
@@ -371,7 +371,7 @@ impl Store {
         let ids: Vec<i64> = rest.iter().map(|i| i.0 .0).collect();
         let keyed: i64 = sqlx::query(&self.sql().keys_of)
             .bind(&ids)
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?
             .len() as i64;
         if keyed > 0 {
@@ -406,7 +406,7 @@ impl Store {
         let ids: Vec<i64> = items.iter().map(|(id, _)| id.0).collect();
         let rows = sqlx::query(&self.sql().completion_readback)
             .bind(&ids)
-            .fetch_all(&mut *conn)
+            .fetch_all(self.on(&mut *conn))
             .await?;
         let mut out = HashMap::new();
         for row in rows {

@@ -94,7 +94,7 @@ impl Store {
         };
         // The column defaults would say `now()`: the caller's transaction start.
         let now: DateTime<Utc> = sqlx::query_scalar("SELECT statement_timestamp()")
-            .fetch_one(&mut *tx)
+            .fetch_one(self.on(&mut tx))
             .await?;
         let mut queues: Vec<&str> = Vec::new();
         let mut copy = tx.copy_in_raw(statement).await?;
@@ -128,7 +128,7 @@ impl Store {
         sqlx::query(&self.sql().enqueue_copy_notify)
             .bind(self.schema().channel())
             .bind(&queues)
-            .execute(&mut *tx)
+            .execute(self.on(&mut tx))
             .await?;
         tx.commit().await?;
         Ok(written)

@@ -81,7 +81,7 @@ impl Store {
     pub async fn effect(&self, effect_key: &str) -> Result<Option<EffectRecord>> {
         let row = sqlx::query(&self.sql().effect_lookup)
             .bind(effect_key)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?;
         row.as_ref().map(effect_from_row).transpose()
     }
@@ -93,7 +93,7 @@ impl Store {
             "SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_until
              FROM {s}.effects WHERE job_id = $1 ORDER BY recorded_at, effect_key",
         );
-        let rows = sqlx::query(&sql).bind(id.0).fetch_all(self.pool()).await?;
+        let rows = sqlx::query(&sql).bind(id.0).fetch_all(self.db()).await?;
         rows.iter().map(effect_from_row).collect()
     }
 
@@ -115,7 +115,7 @@ impl Store {
             .bind(fingerprint)
             .bind(outcome)
             .bind(secs(keep))
-            .fetch_one(self.pool())
+            .fetch_one(self.db())
             .await?;
         let fenced: i64 = row.try_get("fenced")?;
         let inserted: i64 = row.try_get("inserted")?;

@@ -424,7 +424,7 @@ impl Store {
             .bind(&c.unique_key)
             .bind(&c.unique_until)
             .bind(&c.unique_forever)
-            .fetch_all(&mut *conn)
+            .fetch_all(self.on(&mut *conn))
             .await?;
         Ok(rows
             .into_iter()

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{Acquire, Row};
+use sqlx::Row;
 
 use super::keys::KeyRef;
 use super::{sanitize_error_text, secs, Backoff, Store};
@@ -134,7 +134,7 @@ impl Store {
     ) -> Result<FailOutcome> {
         let reason = sanitize_error_text(&failure.reason);
         let mut conn = self.pool().acquire().await?;
-        let mut tx = conn.begin().await?;
+        let mut tx = self.begin(&mut conn).await?;
         let row = sqlx::query(&self.sql().fail)
             .bind(fence.job.0)
             .bind(fence.owner.as_str())
@@ -145,7 +145,7 @@ impl Store {
             .bind(secs(backoff.cap))
             .bind(backoff.jitter)
             .bind(failure.retry_after.map(|d| secs(d.min(super::MAX_DELAY))))
-            .fetch_optional(&mut *tx)
+            .fetch_optional(self.on(&mut tx))
             .await?;
         let Some(row) = row else {
             tx.rollback().await?;
@@ -195,7 +195,7 @@ impl Store {
             .bind(secs(delay))
             .bind(i32::try_from(max_snoozes).unwrap_or(i32::MAX))
             .bind(detail)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?)
     }
 
@@ -215,14 +215,14 @@ impl Store {
         let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
         let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
         let mut conn = self.pool().acquire().await?;
-        let mut tx = conn.begin().await?;
+        let mut tx = self.begin(&mut conn).await?;
         let rows = sqlx::query(&self.sql().release)
             .bind(&ids)
             .bind(&gens)
             .bind(owner.as_str())
             .bind(sanitize_error_text(reason))
             .bind(self.schema().channel())
-            .fetch_all(&mut *tx)
+            .fetch_all(self.on(&mut tx))
             .await?;
         let mut released = Vec::with_capacity(rows.len());
         let mut heads: Vec<KeyRef> = Vec::new();

@@ -116,7 +116,7 @@ impl Store {
             .bind(chain.map(|c| c.owner.as_str()))
             .bind(chain.map(|c| c.kinds))
             .bind(chain.map(|c| secs(c.lease)).unwrap_or(0.0))
-            .fetch_all(&mut *conn)
+            .fetch_all(self.on(&mut *conn))
             .await?;
         let mut claimed = Vec::new();
         if let Some(c) = chain {
@@ -139,7 +139,7 @@ impl Store {
         sqlx::query(&self.sql().leave_keys)
             .bind(&queues)
             .bind(&names)
-            .execute(&mut *conn)
+            .execute(self.on(&mut *conn))
             .await?;
         Ok(())
     }

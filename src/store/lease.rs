@@ -81,7 +81,7 @@ impl Store {
             .bind(&gens)
             .bind(owner.as_str())
             .bind(secs(lease))
-            .fetch_all(&mut *conn)
+            .fetch_all(self.on(&mut conn))
             .await?;
         let mut report = RenewReport {
             sent_at: Some(sent),

@@ -13,6 +13,7 @@
 
 use sqlx::{Connection, PgConnection, PgPool};
 
+use super::exec::On;
 use super::schema::Schema;
 use crate::error::{Error, Result};
 
@@ -68,10 +69,30 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "periodic schedules and their fire times",
         include_str!("../../migrations/0010_periodic.sql"),
     ),
+    (
+        11,
+        "the claim walks the entries ahead of a queue's first pending job once",
+        include_str!("../../migrations/0011_claim_walks_once.sql"),
+    ),
+    (
+        12,
+        "the reaper's index keyed on the lease, not on the running state",
+        include_str!("../../migrations/0012_leased_index.sql"),
+    ),
+    (
+        13,
+        "live schedulers and their heartbeats; parked jobs by id and jobs by key, for listings",
+        include_str!("../../migrations/0013_schedulers.sql"),
+    ),
+    (
+        14,
+        "a key's history indexed once per job, not once per row version",
+        include_str!("../../migrations/0014_ended_by_key.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 10;
+pub const SCHEMA_VERSION: i32 = 14;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";
@@ -123,17 +144,29 @@ pub fn runtime_grants(schema: &Schema, role: &str) -> String {
 
 /// The versions applied to `schema`; none when it (or its version table) does not
 /// exist yet. A plain read: no lock, no DDL.
-async fn applied_versions(conn: &mut PgConnection, schema: &Schema) -> Result<Vec<i32>> {
+async fn applied_versions(
+    conn: &mut PgConnection,
+    schema: &Schema,
+    pooled: bool,
+) -> Result<Vec<i32>> {
     let fresh: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
         .bind(schema.render("{s}.leasehold_migrations"))
-        .fetch_one(&mut *conn)
+        .fetch_one(On {
+            conn: &mut *conn,
+            pooled,
+            lock_wait: None,
+        })
         .await?;
     if fresh {
         return Ok(Vec::new());
     }
     Ok(
         sqlx::query_scalar(&schema.render("SELECT version FROM {s}.leasehold_migrations"))
-            .fetch_all(&mut *conn)
+            .fetch_all(On {
+                conn: &mut *conn,
+                pooled,
+                lock_wait: None,
+            })
             .await?,
     )
 }
@@ -146,11 +179,15 @@ fn missing(
     MIGRATIONS.iter().filter(|m| !applied.contains(&m.0))
 }
 
-async fn schema_exists(conn: &mut PgConnection, schema: &Schema) -> Result<bool> {
+async fn schema_exists(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result<bool> {
     Ok(
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
             .bind(schema.name())
-            .fetch_one(&mut *conn)
+            .fetch_one(On {
+                conn: &mut *conn,
+                pooled,
+                lock_wait: None,
+            })
             .await?,
     )
 }
@@ -159,14 +196,14 @@ async fn schema_exists(conn: &mut PgConnection, schema: &Schema) -> Result<bool>
 /// current, or newer than this build), one read and no lock, no DDL: a runtime role
 /// without CREATE starts. Otherwise the missing ones are applied in one transaction;
 /// a role that may not is refused with [`Error::SchemaOutdated`].
-pub async fn migrate(pool: &PgPool, schema: &Schema) -> Result<()> {
+pub async fn migrate(pool: &PgPool, schema: &Schema, pooled: bool) -> Result<()> {
     let mut conn = pool.acquire().await?;
-    let applied = applied_versions(&mut conn, schema).await?;
+    let applied = applied_versions(&mut conn, schema, pooled).await?;
     if missing(&applied).next().is_none() {
         return Ok(());
     }
     let found = applied.iter().copied().max().unwrap_or(0);
-    apply(&mut conn, schema).await.map_err(|e| match e {
+    apply(&mut conn, schema, pooled).await.map_err(|e| match e {
         Error::Database(source) | Error::Migration { source, .. } if is_denied(&source) => {
             Error::SchemaOutdated {
                 schema: schema.name().to_string(),
@@ -185,41 +222,68 @@ fn is_denied(e: &sqlx::Error) -> bool {
 }
 
 /// The locked half of [`migrate`]: re-read under the lock, create what is missing.
-async fn apply(conn: &mut PgConnection, schema: &Schema) -> Result<()> {
+async fn apply(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result<()> {
     let mut tx = conn.begin().await?;
     sqlx::query(LOCK)
         .bind(schema.name())
-        .execute(&mut *tx)
+        .execute(On {
+            conn: &mut tx,
+            pooled,
+            lock_wait: None,
+        })
         .await?;
     // Only when missing: CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even
     // when the schema exists, which an owner given its schema by a DBA may not have.
-    if !schema_exists(&mut tx, schema).await? {
+    if !schema_exists(&mut tx, schema, pooled).await? {
         sqlx::query(&schema.render("CREATE SCHEMA IF NOT EXISTS {s}"))
-            .execute(&mut *tx)
+            .execute(On {
+                conn: &mut tx,
+                pooled,
+                lock_wait: None,
+            })
             .await?;
     }
-    let applied = applied_versions(&mut tx, schema).await?;
+    let applied = applied_versions(&mut tx, schema, pooled).await?;
     if applied.is_empty() {
         sqlx::query(&schema.render(VERSION_TABLE))
-            .execute(&mut *tx)
+            .execute(On {
+                conn: &mut tx,
+                pooled,
+                lock_wait: None,
+            })
             .await?;
         sqlx::Executor::execute(
-            &mut *tx,
+            On {
+                conn: &mut tx,
+                pooled,
+                lock_wait: None,
+            },
             sqlx::raw_sql(&schema.render(VERSION_TABLE_COMMENTS)),
         )
         .await?;
     }
     for &(version, description, template) in missing(&applied) {
         let sql = template.replace("__SCHEMA__", schema.quoted());
-        // Through the trait: `raw_sql(..).execute(&mut *tx)` makes this future !Send
+        // Through the trait: `raw_sql(..).execute(On { conn: &mut *tx, pooled })` makes this future !Send
         // (a rustc higher-ranked lifetime limitation), and callers spawn `migrate()`.
-        sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&sql))
-            .await
-            .map_err(|source| Error::Migration { version, source })?;
+        sqlx::Executor::execute(
+            On {
+                conn: &mut tx,
+                pooled,
+                lock_wait: None,
+            },
+            sqlx::raw_sql(&sql),
+        )
+        .await
+        .map_err(|source| Error::Migration { version, source })?;
         sqlx::query(&schema.render(RECORD_VERSION))
             .bind(version)
             .bind(description)
-            .execute(&mut *tx)
+            .execute(On {
+                conn: &mut tx,
+                pooled,
+                lock_wait: None,
+            })
             .await?;
         tracing::info!(
             schema = schema.name(),
@@ -238,9 +302,9 @@ async fn apply(conn: &mut PgConnection, schema: &Schema) -> Result<()> {
 /// version table (if missing), applies the missing migrations and records them, so a
 /// later [`migrate`] finds nothing to do. Reads the applied versions; writes nothing.
 /// When nothing is missing, as [`migrate`] then runs nothing, only a comment saying so.
-pub async fn script(pool: &PgPool, schema: &Schema) -> Result<String> {
+pub async fn script(pool: &PgPool, schema: &Schema, pooled: bool) -> Result<String> {
     let mut conn = pool.acquire().await?;
-    let applied = applied_versions(&mut conn, schema).await?;
+    let applied = applied_versions(&mut conn, schema, pooled).await?;
     let mut out = format!(
         "-- leasehold schema {}: the migrations not yet applied (version {SCHEMA_VERSION} is the newest).\n",
         schema.quoted()
@@ -253,7 +317,7 @@ pub async fn script(pool: &PgPool, schema: &Schema) -> Result<String> {
     // Schema names are validated identifiers (a-z, 0-9, _), safe inside a literal.
     out += &LOCK.replace("$1", &format!("'{}'", schema.name()));
     out += ";\n";
-    if !schema_exists(&mut conn, schema).await? {
+    if !schema_exists(&mut conn, schema, pooled).await? {
         out += &schema.render("CREATE SCHEMA IF NOT EXISTS {s};\n");
     }
     if applied.is_empty() {

@@ -15,20 +15,25 @@ mod complete;
 mod copy;
 mod effects;
 mod enqueue;
+mod exec;
 pub(crate) use enqueue::{check_name, unstorable_json};
 pub use enqueue::{MAX_DELAY, MAX_PAYLOAD_DEPTH};
 mod fail;
 mod inspect;
 mod keys;
 mod lease;
+mod listing;
 mod migrate;
+mod operator;
 mod pause;
 mod periodic;
 mod progress;
 mod reap;
+mod schedulers;
 mod schema;
 mod stats;
 mod unique;
+mod views;
 mod wakeups;
 
 use std::sync::Arc;
@@ -41,15 +46,19 @@ pub use claim::ClaimRequest;
 pub(crate) use complete::KeyedItem;
 pub use effects::{EffectRecord, RecordOutcome};
 pub use fail::Failure;
-pub use inspect::{JobFilter, LeaseExpiry, DEFAULT_PAGE, MAX_PAGE};
+pub use inspect::{JobFilter, JobPage, LeaseExpiry, DEFAULT_PAGE, MAX_PAGE, SEARCH_STRETCH};
 pub(crate) use keys::Chain;
 pub use lease::RenewReport;
 pub use migrate::{runtime_grants, SCHEMA_VERSION};
+pub use operator::{Action, CANCEL_REQUESTED, OPERATOR};
 pub use pause::PausedQueue;
 pub use progress::MAX_PROGRESS_BYTES;
 pub use reap::ReapReport;
+pub(crate) use schedulers::Heartbeat;
+pub use schedulers::LiveScheduler;
 pub use schema::Schema;
 pub use stats::{KeyBlock, QueueGauges, QueueStats, RECENT_EXPIRIES};
+pub use views::{KeyPosition, MinuteCount};
 
 use crate::error::Result;
 
@@ -69,6 +78,14 @@ pub struct StoreOptions {
     /// Write `claimed` and `completed` history events too (failures, expiries, releases
     /// and operator actions are always recorded). Default true.
     pub full_history: bool,
+    /// The pool goes through a transaction-mode pooler (PgBouncer `pool_mode =
+    /// transaction`, or a managed pooler that behaves like it): every statement is sent
+    /// unnamed (never a cached prepared statement, which another client's server
+    /// connection would not have) and inside a transaction (its own when the caller is
+    /// not in one), so the pooler keeps one server connection for it. Costs two round
+    /// trips per statement outside a transaction, and the parse that a cached statement
+    /// saves. See the README's "Running at scale". Default false.
+    pub transaction_pooler: bool,
 }
 
 /// Default [`StoreOptions::max_payload_bytes`]: 256 KiB.
@@ -86,6 +103,7 @@ impl Default for StoreOptions {
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             default_max_attempts: DEFAULT_MAX_ATTEMPTS,
             full_history: true,
+            transaction_pooler: false,
         }
     }
 }
@@ -128,6 +146,10 @@ struct Inner {
     options: StoreOptions,
     sql: Statements,
     wakeups: wakeups::Wakeups,
+    /// Behind a transaction pooler: the `lock_timeout` each transaction of this store
+    /// sets for itself (`SET LOCAL`), where a session setting cannot be used. The
+    /// scheduler's writer store has one (see `scheduler::pools::SidePools::writer`).
+    lock_wait: Option<std::time::Duration>,
 }
 
 impl Store {
@@ -142,6 +164,7 @@ impl Store {
                 options,
                 sql,
                 wakeups: wakeups::Wakeups::default(),
+                lock_wait: None,
             }),
         })
     }
@@ -154,14 +177,24 @@ impl Store {
 
     /// Create or upgrade the schema. Safe to call from many processes at once.
     pub async fn migrate(&self) -> Result<()> {
-        migrate::migrate(&self.inner.pool, &self.inner.schema).await
+        migrate::migrate(
+            &self.inner.pool,
+            &self.inner.schema,
+            self.options().transaction_pooler,
+        )
+        .await
     }
 
     /// The SQL [`Store::migrate`] would run now, as one script to apply by hand (it
     /// records the versions it applies, so a later `migrate` finds nothing to do).
     /// Reads which versions are applied; changes nothing.
     pub async fn migration_script(&self) -> Result<String> {
-        migrate::script(&self.inner.pool, &self.inner.schema).await
+        migrate::script(
+            &self.inner.pool,
+            &self.inner.schema,
+            self.options().transaction_pooler,
+        )
+        .await
     }
 
     /// The same store over another pool (the scheduler's maintenance connections).
@@ -175,8 +208,41 @@ impl Store {
                 options: i.options.clone(),
                 sql,
                 wakeups: wakeups::Wakeups::default(),
+                lock_wait: None,
             }),
         }
+    }
+
+    /// This store with every transaction it runs behind a transaction pooler waiting
+    /// at most `wait` for a lock (`SET LOCAL lock_timeout`, sent with its `BEGIN`).
+    /// Without a pooler it changes nothing: give the pool's sessions the setting.
+    pub(crate) fn with_pooled_lock_wait(&self, wait: std::time::Duration) -> Store {
+        let i = &self.inner;
+        Store {
+            inner: Arc::new(Inner {
+                pool: i.pool.clone(),
+                schema: i.schema.clone(),
+                options: i.options.clone(),
+                sql: Statements::render(&i.schema),
+                wakeups: wakeups::Wakeups::default(),
+                lock_wait: Some(wait),
+            }),
+        }
+    }
+
+    /// Begin a transaction on `conn`: behind a transaction pooler, with this store's
+    /// lock wait (if any) set in the same round trip.
+    pub(crate) async fn begin<'c>(
+        &self,
+        conn: &'c mut sqlx::PgConnection,
+    ) -> Result<sqlx::Transaction<'c, sqlx::Postgres>> {
+        Ok(exec::begin(conn, self.pooled_lock_wait()).await?)
+    }
+
+    fn pooled_lock_wait(&self) -> Option<std::time::Duration> {
+        self.inner
+            .lock_wait
+            .filter(|_| self.inner.options.transaction_pooler)
     }
 
     /// The pool this store's statements run on.
@@ -192,6 +258,25 @@ impl Store {
     /// The limits and defaults this store enqueues and completes with.
     pub fn options(&self) -> &StoreOptions {
         &self.inner.options
+    }
+
+    /// The pool as the executor every statement of the store runs on (see `exec`).
+    pub(crate) fn db(&self) -> exec::Db<'_> {
+        exec::Db {
+            pool: &self.inner.pool,
+            pooled: self.inner.options.transaction_pooler,
+            lock_wait: self.pooled_lock_wait(),
+        }
+    }
+
+    /// `conn` (a pooled connection, or the caller's transaction) as the executor a
+    /// statement of the store runs on (see `exec`).
+    pub(crate) fn on<'c>(&self, conn: &'c mut sqlx::PgConnection) -> exec::On<'c> {
+        exec::On {
+            conn,
+            pooled: self.inner.options.transaction_pooler,
+            lock_wait: self.pooled_lock_wait(),
+        }
     }
 
     pub(crate) fn sql(&self) -> &Statements {

@@ -67,7 +67,7 @@ impl Store {
             .bind(queue)
             .bind(by.map(super::sanitize_error_text))
             .bind(self.schema().pause_channel())
-            .fetch_one(self.pool())
+            .fetch_one(self.db())
             .await?;
         let paused: i64 = row.try_get("paused")?;
         if paused > 0 {
@@ -84,7 +84,7 @@ impl Store {
         let row = sqlx::query(&self.schema().render(RESUME))
             .bind(queue)
             .bind(self.schema().channel())
-            .fetch_one(self.pool())
+            .fetch_one(self.db())
             .await?;
         let resumed: i64 = row.try_get("resumed")?;
         if resumed > 0 {
@@ -96,7 +96,7 @@ impl Store {
     /// The paused queues, by name.
     pub async fn paused_queues(&self) -> Result<Vec<PausedQueue>> {
         let rows = sqlx::query(&self.schema().render(PAUSED))
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?;
         rows.iter()
             .map(|r| {

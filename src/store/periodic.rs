@@ -55,11 +55,11 @@ impl Store {
         sqlx::query(&self.schema().render(REGISTER))
             .bind(p.name())
             .bind(&spec)
-            .execute(&mut *tx)
+            .execute(self.on(&mut tx))
             .await?;
         let Some(row) = sqlx::query(&self.schema().render(LOCK))
             .bind(p.name())
-            .fetch_optional(&mut *tx)
+            .fetch_optional(self.on(&mut tx))
             .await?
         else {
             return Ok(Fired::default());
@@ -73,7 +73,7 @@ impl Store {
                 .bind(p.name())
                 .bind(&spec)
                 .bind(now)
-                .execute(&mut *tx)
+                .execute(self.on(&mut tx))
                 .await?;
             tx.commit().await?;
             tracing::info!(name = p.name(), from = %stored, to = %spec, "leasehold periodic schedule changed");
@@ -104,7 +104,7 @@ impl Store {
                 .bind(p.name())
                 .bind(t)
                 .bind(late)
-                .fetch_optional(&mut *tx)
+                .fetch_optional(self.on(&mut tx))
                 .await?;
             if fresh.is_none() {
                 continue;
@@ -115,7 +115,7 @@ impl Store {
                 .bind(p.name())
                 .bind(t)
                 .bind(id.0)
-                .execute(&mut *tx)
+                .execute(self.on(&mut tx))
                 .await?;
             enqueued.push((t, id, late));
         }
@@ -124,7 +124,7 @@ impl Store {
             sqlx::query(&self.schema().render(ADVANCE))
                 .bind(p.name())
                 .bind(handled)
-                .execute(&mut *tx)
+                .execute(self.on(&mut tx))
                 .await?;
         }
         tx.commit().await?;

@@ -47,7 +47,7 @@ impl Store {
             .bind(fence.owner.as_str())
             .bind(fence.generation.0)
             .bind(progress)
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(if done.rows_affected() == 1 {
             FenceOutcome::Applied

@@ -111,7 +111,7 @@ impl Store {
             .bind(secs(backoff.cap))
             .bind(backoff.jitter)
             .bind(self.schema().channel())
-            .fetch_all(&mut *tx)
+            .fetch_all(self.on(&mut tx))
             .await?;
         let mut report = ReapReport::default();
         let mut heads: Vec<KeyRef> = Vec::new();

@@ -150,7 +150,7 @@ SELECT q.queue, 'waiting',
 UNION ALL
 SELECT j.queue, 'running', count(*),
        coalesce(extract(epoch FROM now() - min(j.claimed_at)), 0)::float8
-  FROM {s}.jobs j WHERE j.state = 'running' GROUP BY j.queue
+  FROM {s}.jobs j WHERE j.lease_until IS NOT NULL AND j.state = 'running' GROUP BY j.queue
 UNION ALL
 SELECT j.queue, j.state, count(*), 0
   FROM {s}.jobs j WHERE j.state IN ('held', 'dead') GROUP BY j.queue, j.state
@@ -170,8 +170,10 @@ SELECT h.queue, 'blocked', count(*),
 /// Run before the gauges, in their transaction. Without statistics the planner's
 /// estimates for the loose scans are large enough to pass `jit_above_cost` (on by
 /// default), and compiling the expressions took half a second where the statement itself
-/// takes tens of milliseconds.
-const NO_JIT: &str = "SET LOCAL jit = off";
+/// takes tens of milliseconds. And it guesses that nearly every row has a lease, so it
+/// would count the running jobs with a pass over the whole table, history included,
+/// rather than through the index of leased jobs (migration 12).
+pub(super) const GAUGE_SETTINGS: &str = "SET LOCAL jit = off; SET LOCAL enable_seqscan = off";
 
 /// Recent lease expiries per queue; `$1` is the window in seconds.
 ///
@@ -218,7 +220,7 @@ impl Store {
         let sql = self.schema().render(RECENT_EXPIRIES_SQL);
         for (queue, n) in sqlx::query_as::<_, (String, i64)>(&sql)
             .bind(RECENT_EXPIRIES.as_secs_f64())
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?
         {
             out.entry(queue.clone())
@@ -250,8 +252,8 @@ impl Store {
                 query = query.bind(w);
             }
             let mut tx = self.pool().begin().await?;
-            sqlx::query(NO_JIT).execute(&mut *tx).await?;
-            let lines = query.fetch_all(&mut *tx).await?;
+            sqlx::raw_sql(GAUGE_SETTINGS).execute(&mut *tx).await?;
+            let lines = query.fetch_all(self.on(&mut tx)).await?;
             tx.rollback().await?;
             out.push_str(&format!("-- {name}\n{}\n", lines.join("\n")));
         }
@@ -269,7 +271,7 @@ impl Store {
             .render("SELECT queue, state, count(*) FROM {s}.jobs GROUP BY queue, state");
         let mut out: BTreeMap<String, BTreeMap<String, i64>> = BTreeMap::new();
         for (queue, state, n) in sqlx::query_as::<_, (String, String, i64)>(&sql)
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?
         {
             out.entry(queue).or_default().insert(state, n);
@@ -280,21 +282,21 @@ impl Store {
     /// [`QueueGauges`] for every queue with an open or parked job, in one statement.
     ///
     /// Cost: each part reads one partial index (pending by queue, waiting by key,
-    /// running by lease, held and dead by queue) and, for running jobs and blocked keys,
+    /// leased by deadline, held and dead by queue) and, for running jobs and blocked keys,
     /// their rows; so it is proportional to the open and parked jobs (pending, waiting,
     /// running, held, dead), never to the done and cancelled history. A blocked key adds
     /// one probe of the waiting index for its first waiter. At 10^5 pending jobs expect
     /// tens of milliseconds (`bench -- --only stats`); the metrics route caches a reading
     /// for [`Config::metrics_cache`](crate::Config::metrics_cache). Runs in a short
-    /// transaction with JIT off (see `NO_JIT` in the source).
+    /// transaction with JIT and sequential scans off (see `GAUGE_SETTINGS` in the source).
     pub async fn queue_gauges(&self) -> Result<Vec<QueueGauges>> {
         let sql = self.schema().render(GAUGES_SQL);
         let mut tx = self.pool().begin().await?;
-        sqlx::query(NO_JIT).execute(&mut *tx).await?;
-        let rows = sqlx::query(&sql).fetch_all(&mut *tx).await?;
+        sqlx::raw_sql(GAUGE_SETTINGS).execute(&mut *tx).await?;
+        let rows = sqlx::query(&sql).fetch_all(self.on(&mut tx)).await?;
         let paused: Vec<String> =
             sqlx::query_scalar(&self.schema().render("SELECT queue FROM {s}.paused_queues"))
-                .fetch_all(&mut *tx)
+                .fetch_all(self.on(&mut tx))
                 .await?;
         tx.commit().await?;
         let mut out: BTreeMap<String, QueueGauges> = BTreeMap::new();
@@ -346,7 +348,7 @@ impl Store {
             blocks_its_key!(),
             " ORDER BY h.id LIMIT $1"
         ));
-        let rows = sqlx::query(&sql).bind(limit).fetch_all(self.pool()).await?;
+        let rows = sqlx::query(&sql).bind(limit).fetch_all(self.db()).await?;
         rows.iter()
             .map(|r| {
                 Ok(KeyBlock {

@@ -153,7 +153,7 @@ impl Store {
         let (now, _locks): (DateTime<Utc>, i64) = sqlx::query_as(LOCK)
             .bind(format!("leasehold.unique.{}", self.schema().name()))
             .bind(&lock_keys)
-            .fetch_one(&mut *conn)
+            .fetch_one(self.on(&mut *conn))
             .await?;
         let windows: Vec<Window> = unique
             .iter()
@@ -167,7 +167,7 @@ impl Store {
             .bind(&keys)
             .bind(&untils)
             .bind(&forevers)
-            .fetch_all(&mut *conn)
+            .fetch_all(self.on(&mut *conn))
             .await?;
         let mut out = vec![Resolution::Write(Window::Open); jobs.len()];
         // The first job of the batch with a (kind, key, window) is written; later ones

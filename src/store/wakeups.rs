@@ -66,7 +66,7 @@ impl Store {
         let sent = sqlx::query(&self.sql().enqueue_copy_notify)
             .bind(self.schema().channel())
             .bind(&take)
-            .execute(self.pool())
+            .execute(self.db())
             .await;
         if let Err(e) = sent {
             tracing::warn!(error = %e, "leasehold could not send an enqueue wake-up; schedulers will find the jobs by polling");

@@ -165,6 +165,21 @@ fn targeted_explanations(c: &Input) -> Targeted {
     out
 }
 
+/// A fault a host or an operator made on this very job (a session locking its row, a
+/// host transaction holding its key, its own long transaction) between `from` and `to`
+/// (wall µs): what explains its expiry in [`expiries`] explains it here too.
+pub fn targeted_fault_on(c: &Input, job: (i64, i64), from: i64, to: i64) -> bool {
+    let key = c.job(job.0).and_then(|j| j.job_key.clone());
+    targeted_explanations(c)
+        .iter()
+        .any(|(jobs, k, start, end)| {
+            let mine = jobs.contains(&job)
+                || jobs.contains(&(job.0, 0))
+                || (k.is_some() && key.is_some() && *k == key);
+            mine && *start <= to && *end >= from
+        })
+}
+
 /// A fault that can stop renewals hit worker `w` (or the whole database) between
 /// `from` and `to` (wall µs).
 pub fn lease_fault_near(c: &Input, w: usize, from: i64, to: i64) -> bool {

@@ -6,13 +6,14 @@
 //! effect ledger, each with the rows retention deleted), the effect server's log, the
 //! workers' histories (real execution: handler starts, effect calls, ends) and metrics,
 //! the enqueue, fault and operator logs ([`input`]), checks the invariants listed in
-//! [`INVARIANTS`] ([`jobs`], [`effects`], [`leases`], [`execution`], [`poison`],
-//! [`retention`]) and renders the report ([`report`]). Each violation is printed with a
+//! [`INVARIANTS`] ([`jobs`], [`effects`], [`leases`], [`execution`], [`endings`],
+//! [`poison`], [`retention`]) and renders the report ([`report`]). Each violation is printed with a
 //! witness: the job id and what was seen. `chaos selftest` ([`selftest`]) shows that
 //! each rule fires on a small synthetic run that breaks it, and stays quiet on one that
 //! does not.
 
 mod effects;
+mod endings;
 mod execution;
 mod input;
 mod jobs;
@@ -30,7 +31,7 @@ pub use execution::RACE_REAPER;
 pub use input::Input;
 
 /// Every invariant, in report order, with what a violation means.
-pub const INVARIANTS: [(&str, &str); 31] = [
+pub const INVARIANTS: [(&str, &str); 32] = [
     ("lost", "an acknowledged enqueue has no row"),
     ("unexpected", "a row no enqueue asked for"),
     ("stuck", "pending or waiting after the drain"),
@@ -108,6 +109,10 @@ pub const INVARIANTS: [(&str, &str); 31] = [
         "no throughput after the faults, probe jobs late, or the drain did not finish",
     ),
     ("bad_input", "bad input not contained as specified"),
+    (
+        "ending_late",
+        "a handler returned ok and its ending came over a lease later, no fault to explain it",
+    ),
     (
         "poison_result",
         "a result with NUL or over the cap not dead with a reason naming the result",
@@ -207,6 +212,10 @@ pub struct Stats {
     pub poison_results: u64,
     pub poison_payloads: u64,
     pub poison_neighbours: u64,
+    /// Handlers that returned ok, their endings checked for delay; late ones a fault
+    /// explained.
+    pub endings_checked: u64,
+    pub endings_late_excused: u64,
     pub pruned_jobs: u64,
     pub dead_retried: u64,
 }
@@ -245,6 +254,7 @@ pub fn check(dir: &Path) -> Result<Report, String> {
     jobs::bad_input(&input, &mut f);
     effects::check(&input, &mut f, &mut s);
     execution::check(&input, &mut f, &mut s);
+    endings::check(&input, &mut f, &mut s);
     poison::check(&input, &mut f, &mut s);
     retention::check(&input, &mut f, &mut s);
     leases::expiries(&input, &mut f, &mut s);

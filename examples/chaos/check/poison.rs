@@ -10,13 +10,14 @@
 //!
 //! A neighbour is affected when its handler never ran yet its generation was reaped or
 //! failed, or its handler returned ok yet its generation did not end `completed` —
-//! unless a fault hit its worker (or the database) then.
+//! unless a fault hit its worker (or the database) then, or one aimed at the neighbour
+//! itself (a session locking its row past the lease).
 
 use std::collections::{HashMap, HashSet};
 
 use super::execution::{attempts, Attempt, End};
 use super::input::Input;
-use super::leases::lease_fault_near;
+use super::leases::{lease_fault_near, targeted_fault_on};
 use super::{Findings, Stats};
 
 /// Completions the batcher may have written together with the poison one.
@@ -148,7 +149,12 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
         // A fault on its worker from the claim until a lease after its handler ended
         // (a slow handler's ending is written then) explains the loss.
         let until = ran.get(&n).map_or(from, |a| a.end_us.max(from));
-        let faulted = w.is_none_or(|w| lease_fault_near(c, w, from, until + lease_us + 1_000_000));
+        let to = until + lease_us + 1_000_000;
+        // So does a fault aimed at the neighbour itself: a session holding its row past
+        // the lease (renewal skips a locked row, by design) loses its lease whatever its
+        // neighbours are.
+        let faulted =
+            w.is_none_or(|w| lease_fault_near(c, w, from, to)) || targeted_fault_on(c, n, from, to);
         if affected && !faulted {
             let ran_how = match ran.get(&n) {
                 None => "its handler never ran".to_string(),

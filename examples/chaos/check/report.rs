@@ -94,10 +94,12 @@ pub fn render(c: &Input, f: &Findings, s: &Stats) -> Report {
     );
     let _ = writeln!(
         t,
-        "poison: results={} payloads={} neighbours_checked={}; retention: pruned={} dead_retried={}; keys with ambiguous epochs: {}",
+        "poison: results={} payloads={} neighbours_checked={}; endings: checked={} late_excused={}; retention: pruned={} dead_retried={}; keys with ambiguous epochs: {}",
         s.poison_results,
         s.poison_payloads,
         s.poison_neighbours,
+        s.endings_checked,
+        s.endings_late_excused,
         s.pruned_jobs,
         s.dead_retried,
         c.ambiguous_keys.len()

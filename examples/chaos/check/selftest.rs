@@ -7,7 +7,7 @@
 
 use super::input::{Expiry, Input, KeyRow, LeaseWrite};
 use super::synth::{expect, us, Synth};
-use super::{execution, leases, poison, retention, Findings, Stats};
+use super::{endings, execution, leases, poison, retention, Findings, Stats};
 use crate::model::EnqueueRecord;
 
 /// Two handlers of one key on two workers: overlapping, then one after the other.
@@ -437,6 +437,66 @@ fn poison_result_neighbour() -> Result<(), String> {
     expect("poison_neighbour", build(false), build(true))
 }
 
+/// A result neighbour whose own row a session locked past the lease: the lock, not the
+/// poison, cost it its generation; a lock on another row explains nothing.
+fn poison_neighbour_row_locked() -> Result<(), String> {
+    let build = |its_own: bool| {
+        let mut s = Synth::new();
+        s.up(0);
+        s.job(1, None, None, "dead").last_error = Some("result contains NUL".into());
+        s.expect(1, "poison_result");
+        s.job(2, None, None, "done");
+        s.job(3, None, None, "done");
+        s.attempt(0, 1, 1, None, 100, Some(200));
+        s.attempt(0, 2, 1, None, 120, Some(210));
+        s.event(2, 1, "reaped", 2300, "x");
+        s.fault(
+            "row_lock",
+            "w0",
+            150,
+            3500,
+            vec![if its_own { 2 } else { 3 }],
+        );
+        s.run(poison::check)
+    };
+    expect("poison_neighbour", build(false), build(true))
+}
+
+/// A handler returned ok and its completion landed three seconds later (a lease is two)
+/// with nothing wrong with its worker or the database; or the same with a session
+/// holding its row meanwhile, which explains the wait. A generation the racing reaper
+/// took (its reap recorded at its own clock, ahead) is not judged.
+fn ending_late() -> Result<(), String> {
+    let build = |row_locked: bool| {
+        let mut s = Synth::new();
+        s.up(0);
+        s.job(1, None, None, "done");
+        s.job(2, None, None, "done");
+        s.attempt(0, 1, 1, None, 100, Some(120));
+        s.attempt(0, 2, 1, None, 100, Some(130));
+        s.event(1, 1, "completed", 3120, "owner-w0");
+        s.event(2, 1, "completed", 140, "owner-w0");
+        if row_locked {
+            s.fault("row_lock", "w0", 110, 3000, vec![1]);
+        }
+        // Stolen by the racing reaper 0.7 s after its handler returned, its reap recorded
+        // 1.6 s ahead (2.3 s by that clock): not judged.
+        s.job(3, None, None, "done");
+        s.attempt(0, 3, 1, None, 100, Some(120));
+        s.event(3, 1, "reaped", 2400, "chaos-reaper-race");
+        s.0.expiries.push(Expiry {
+            job_id: 3,
+            generation: 1,
+            owner: "owner-w0".into(),
+            lease_until_us: us(2010),
+            reaped_at_us: us(2400),
+            reaped_by: execution::RACE_REAPER.into(),
+        });
+        s.run(endings::check)
+    };
+    expect("ending_late", build(false), build(true))
+}
+
 /// A row lock explains the expiry of the row it locked, not of the worker's others.
 fn row_lock_explains_only_its_rows() -> Result<(), String> {
     let build = |job: i64| {
@@ -486,7 +546,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 27] = [
+pub const CASES: [Case; 29] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -514,6 +574,8 @@ pub const CASES: [Case; 27] = [
     ("poison_payload", poison_payload),
     ("poison_neighbour", poison_neighbour),
     ("poison_result_neighbour", poison_result_neighbour),
+    ("poison_neighbour_row_locked", poison_neighbour_row_locked),
+    ("ending_late", ending_late),
     (
         "row_lock_explains_only_its_rows",
         row_lock_explains_only_its_rows,

@@ -1,10 +1,16 @@
-//! actix-web front ends over the scheduler: today the `/metrics` route.
+//! actix-web front ends over the scheduler: the `/metrics` route and, with the
+//! `dashboard` feature, the dashboard scope ([`dashboard()`], see [the module](mod@dashboard)).
 
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse, Resource};
 
 use crate::prometheus::{encode, render_with, Format};
 use crate::{Scheduler, Store};
+
+#[cfg(feature = "dashboard")]
+pub mod dashboard;
+#[cfg(feature = "dashboard")]
+pub use dashboard::{dashboard, AuthorizeHook, Dashboard};
 
 /// What a metrics route reads, under its own type so it never shadows the host's own
 /// `Data<Scheduler>`.
