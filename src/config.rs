@@ -163,9 +163,11 @@ pub struct Config {
     /// the default, `bench -- --only peer`). The price: a handler that blocks or burns
     /// CPU holds up the claims, completions and key order of every other job of this
     /// scheduler (leases are renewed on another thread, so none is lost), and its use
-    /// of the host's pools and clients crosses threads (they work while the host's
-    /// runtime runs; but a connection a handler opens there belongs to the scheduler's
-    /// thread, so give handlers a pool made for them, as for `Some(n)`). With any
+    /// of the host's pools and clients crosses threads: a connection a handler opens
+    /// belongs to the scheduler's thread. For the pool given to `Scheduler::builder`
+    /// that thread therefore outlives the shutdown, idle, until the host closes that
+    /// pool (or the process exits), so the host can go on using it; connections a
+    /// handler opens in any other pool or client stop working at shutdown. With any
     /// `Some`, the job's context writes (effect ledger, progress) through a small pool
     /// of the scheduler's own, closed with it. For short async handlers, such as
     /// webhooks and ledger writes.

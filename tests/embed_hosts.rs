@@ -10,7 +10,7 @@ mod worker;
 
 use std::time::{Duration, Instant};
 
-use common::{within, TestDb};
+use common::{runtime_options, test_db_name, within, TestDb};
 use leasehold::{JobState, Scheduler, StoreOptions};
 use scripted::{scripted, work, Scripted};
 use worker::{fast_config, wait_until, OwnDb, POOL};
@@ -228,11 +228,20 @@ fn handlers_on_the_scheduler_thread_run_there_and_reach_the_hosts_pool() {
             .validate()
             .expect("zero threads of their own is a choice");
         let seen: std::sync::Arc<std::sync::Mutex<Vec<(String, i64)>>> = Default::default();
+        // The host's pool, opening no connection until asked: those the handlers open
+        // are opened on the scheduler's thread, and so belong to that thread's runtime.
+        let host_pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(3)
+            .connect_lazy_with(
+                runtime_options()
+                    .database(&test_db_name())
+                    .application_name(&format!("{}-host", db.app_name)),
+            );
         let h = WhereAmI {
-            pool: db.pool.clone(),
+            pool: host_pool.clone(),
             seen: seen.clone(),
         };
-        let scheduler = Scheduler::builder(db.pool.clone(), config)
+        let scheduler = Scheduler::builder(host_pool.clone(), config)
             .register(h)
             .start()
             .await
@@ -284,9 +293,29 @@ fn handlers_on_the_scheduler_thread_run_there_and_reach_the_hosts_pool() {
             handler_conns >= 1,
             "the ledger went through the handlers' pool"
         );
+        let opened = host_pool.size();
+        assert!(
+            opened >= 1,
+            "the handlers opened the host pool's connections"
+        );
         scheduler.shutdown().await.unwrap();
-        // The host's pool still works after the scheduler's thread is gone.
+        // The host's pool still works right after the shutdown returns, on every one of
+        // its connections at once: the scheduler's thread still drives the sockets of
+        // those its handlers opened, until the host closes the pool.
+        let reads = (0..3).map(|i| {
+            sqlx::query_scalar::<_, i64>("SELECT $1::bigint")
+                .bind(i)
+                .fetch_one(&host_pool)
+        });
+        for (i, read) in futures_util::future::join_all(reads)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(read.expect("the host's pool after the shutdown"), i as i64);
+        }
         assert_eq!(db.count_where("jobs", "state = 'done'").await, 30);
+        host_pool.close().await;
         db.drop().await;
     }))
 }

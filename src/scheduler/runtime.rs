@@ -65,6 +65,8 @@ pub(super) struct Core {
     system: System,
     /// The handlers' runtime, when `Config::handler_threads` asks for one.
     handler_runtime: std::sync::Mutex<Option<tokio::runtime::Runtime>>,
+    /// Answered once the scheduler's thread has dropped its runtime (see [`Core::stop`]).
+    thread_ended: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
     /// Set once by the first shutdown; later calls get the same report.
     pub report: tokio::sync::OnceCell<ShutdownReport>,
 }
@@ -183,6 +185,7 @@ pub(super) async fn start(
         config: config.clone(),
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let (ended_tx, ended_rx) = tokio::sync::oneshot::channel();
     let name = format!("leasehold {}", owner.short());
     std::thread::Builder::new()
         .name(name)
@@ -192,8 +195,9 @@ pub(super) async fn start(
                 let started = build(side, config, registry, host_store, handlers, schedules);
                 let _ = tx.send(started);
             });
-            // Until the shutdown stops this System.
+            // Until the shutdown stops this System; `run` drops its runtime on return.
             let _ = system.run();
+            let _ = ended_tx.send(());
         })
         .map_err(|e| Error::Config {
             field: "scheduler",
@@ -213,6 +217,7 @@ pub(super) async fn start(
         maintenance: std::sync::Mutex::new(Some(s.maintenance)),
         system: s.system,
         handler_runtime: std::sync::Mutex::new(handler_runtime),
+        thread_ended: std::sync::Mutex::new(Some(ended_rx)),
         report: tokio::sync::OnceCell::new(),
     }))
 }
@@ -356,15 +361,28 @@ where
     })
 }
 
+/// Take what `slot` holds, once, whatever a panic elsewhere left in its lock.
+fn take_once<T>(slot: &std::sync::Mutex<Option<T>>) -> Option<T> {
+    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// How long a shutdown waits for the scheduler's thread to end after its actors stopped
+/// (it only drops its runtime by then).
+const THREAD_END_WAIT: Duration = Duration::from_secs(5);
+
 impl Core {
     /// Run the shutdown on the scheduler's thread and wait for its report: from any
     /// runtime or thread, whatever became of the host's.
     pub async fn stop(self: Arc<Self>) -> ShutdownReport {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let me = self.clone();
+        let linger = self.lingers_for_host_pool();
         let spawned = self.system.arbiter().spawn(async move {
             let report = me.run_shutdown().await;
             let _ = tx.send(report);
+            if let Some(host_pool) = &linger {
+                host_pool.close_event().await;
+            }
             System::current().stop();
         });
         let report = match (spawned, rx.await) {
@@ -378,15 +396,37 @@ impl Core {
                 }
             }
         };
-        let handlers = self
-            .handler_runtime
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let handlers = take_once(&self.handler_runtime);
         if let Some(rt) = handlers {
             rt.shutdown_background();
         }
+        if self.lingers_for_host_pool().is_none() {
+            self.wait_for_thread_end().await;
+        }
         report
+    }
+
+    /// With `handler_threads = Some(0)` the scheduler's thread outlives its shutdown until
+    /// the host closes the pool it gave the scheduler: handlers ran on that thread, so a
+    /// connection of the host's pool that one of them opened belongs to that thread's
+    /// runtime (its socket is driven there). Were the runtime dropped, the host's next
+    /// query on such a connection would fail, and the pool's ping before lending it out
+    /// does not reliably notice (it can be answered from what the socket already holds).
+    /// So the thread stays, idle but for those sockets, until the pool is closed or the
+    /// process exits. `None` in every other mode.
+    fn lingers_for_host_pool(&self) -> Option<PgPool> {
+        (self.env.config.handler_threads == Some(0)).then(|| self.env.host_store.pool().clone())
+    }
+
+    /// Wait (at most [`THREAD_END_WAIT`]) until the scheduler's thread has dropped its
+    /// runtime, so nothing of it runs once `shutdown` has returned.
+    async fn wait_for_thread_end(&self) {
+        let ended = take_once(&self.thread_ended);
+        if let Some(ended) = ended {
+            if tokio::time::timeout(THREAD_END_WAIT, ended).await.is_err() {
+                tracing::warn!(owner = %self.env.owner, "leasehold scheduler thread did not end in time after shutdown");
+            }
+        }
     }
 
     /// Start the shutdown from anywhere without waiting for it (the last handle was
@@ -484,11 +524,7 @@ impl Core {
         {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        let maintenance = self
-            .maintenance
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let maintenance = take_once(&self.maintenance);
         if let Some(arbiter) = maintenance {
             arbiter.stop();
             let _ = tokio::task::spawn_blocking(move || arbiter.join()).await;
@@ -507,12 +543,7 @@ impl Drop for Core {
     fn drop(&mut self) {
         // A runtime may not be dropped where blocking is not allowed (inside another
         // runtime): stop it in the background.
-        if let Some(rt) = self
-            .handler_runtime
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        if let Some(rt) = take_once(&self.handler_runtime) {
             rt.shutdown_background();
         }
     }
