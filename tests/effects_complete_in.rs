@@ -27,7 +27,7 @@ async fn create_postings(db: &TestDb) {
         "CREATE TABLE {} (reference text PRIMARY KEY, charge_id bigint NOT NULL, job_id bigint NOT NULL, generation bigint NOT NULL)",
         db.table("postings")
     ))
-    .execute(&db.pool)
+    .execute(&db.owner)
     .await
     .unwrap();
 }

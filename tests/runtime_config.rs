@@ -37,7 +37,9 @@ async fn schema_exists(db: &TestDb, schema: &str) -> bool {
 fn an_invalid_config_is_refused_at_start_naming_the_field() {
     run_in_system(within(60, "config test", async {
         let db = TestDb::with_options("rt_config", StoreOptions::default(), POOL).await;
-        // A schema nobody created: a refused start must not create it.
+        // A schema nobody created: a refused start must not create it. A start that
+        // creates a schema is the owner's (a runtime role could not), so the schedulers
+        // here connect as the owner in every mode.
         let fresh = format!("{}_never", db.schema);
         let base = fast_config(&fresh);
         let cases: Vec<(&str, Change)> = vec![
@@ -70,7 +72,7 @@ fn an_invalid_config_is_refused_at_start_naming_the_field() {
         for (field, change) in &cases {
             let mut config = base.clone();
             change(&mut config);
-            let err = match Scheduler::builder(db.pool.clone(), config)
+            let err = match Scheduler::builder(db.owner.clone(), config)
                 .register(Noop)
                 .start()
                 .await
@@ -88,7 +90,7 @@ fn an_invalid_config_is_refused_at_start_naming_the_field() {
             assert!(err.to_string().contains(field), "{err}");
         }
         // No handler at all is refused too.
-        let err = Scheduler::builder(db.pool.clone(), base.clone())
+        let err = Scheduler::builder(db.owner.clone(), base.clone())
             .start()
             .await
             .err()
@@ -100,7 +102,7 @@ fn an_invalid_config_is_refused_at_start_naming_the_field() {
         );
 
         // The same config, fixed, starts (the refusals were the fields, nothing else).
-        let scheduler = Scheduler::builder(db.pool.clone(), base)
+        let scheduler = Scheduler::builder(db.owner.clone(), base)
             .register(Noop)
             .start()
             .await
@@ -108,7 +110,7 @@ fn an_invalid_config_is_refused_at_start_naming_the_field() {
         assert!(schema_exists(&db, &fresh).await);
         scheduler.shutdown().await.unwrap();
         sqlx::query(&format!("DROP SCHEMA \"{fresh}\" CASCADE"))
-            .execute(&db.pool)
+            .execute(&db.owner)
             .await
             .unwrap();
         db.drop().await;

@@ -296,10 +296,11 @@ fn finished_work_is_kept_while_its_ending_cannot_be_written_for_longer_than_the_
                  WHEN (NEW.state = 'done') EXECUTE FUNCTION "{s}".cut_writer();"#,
             s = db.schema
         ))
-        .execute(&db.pool)
+        .execute(&db.owner)
         .await
         .unwrap();
-        let heal_pool = db.pool.clone();
+        // The fault is the owner's doing (a runtime role may not create triggers).
+        let heal_pool = db.owner.clone();
         let heal_sql = format!(r#"DROP TRIGGER cut_writer ON "{}".jobs"#, db.schema);
         let cutter = tokio::spawn(async move {
             tokio::time::sleep(3 * LEASE).await;

@@ -188,10 +188,11 @@ async fn longest_schema(test: &str) -> TestDb {
     }
     assert_eq!(schema.len(), 63);
     let app_name = format!("lh-{test}");
-    let pool = pool_for(&app_name, 4).await;
+    let pool = owner_pool_for(&app_name, 4).await;
     let store = Store::new(pool.clone(), &schema, StoreOptions::default()).unwrap();
     TestDb {
         schema,
+        owner: pool.clone(),
         pool,
         store,
         app_name,

@@ -1,5 +1,13 @@
 //! Test support: a schema per test on a shared test database, small pools, a job
 //! factory, and helpers to read the database directly.
+//!
+//! With `LEASEHOLD_TEST_RUNTIME_ROLE=1` (the README's test command runs the runtime
+//! suites a second time so), each test's schema is migrated by the owner (the connecting
+//! superuser) and everything else, the scheduler under test included, connects as
+//! [`RUNTIME_ROLE`], holding exactly the grants of `leasehold::store::runtime_grants`:
+//! the runtime suites prove the documented grants are enough for every path they take.
+//! Fault injection that needs the owner (a trigger, a schema created at start) goes
+//! through [`TestDb::owner`].
 #![allow(dead_code)]
 
 use std::time::Duration;
@@ -27,6 +35,62 @@ pub fn base_options() -> PgConnectOptions {
         .log_statements(tracing::log::LevelFilter::Trace)
 }
 
+/// The least-privileged role the tests connect as in runtime-role mode.
+pub const RUNTIME_ROLE: &str = "leasehold_test_runtime";
+
+/// The role tests connect as besides the owner: [`RUNTIME_ROLE`] when
+/// `LEASEHOLD_TEST_RUNTIME_ROLE` is set (to anything but `0`), else none (the owner).
+pub fn runtime_role() -> Option<&'static str> {
+    match std::env::var("LEASEHOLD_TEST_RUNTIME_ROLE") {
+        Ok(v) if !v.is_empty() && v != "0" => Some(RUNTIME_ROLE),
+        _ => None,
+    }
+}
+
+/// The options tests connect with: as [`runtime_role`] when set, else as the owner.
+pub fn runtime_options() -> PgConnectOptions {
+    match runtime_role() {
+        Some(role) => base_options().username(role),
+        None => base_options(),
+    }
+}
+
+/// Create [`RUNTIME_ROLE`] if it does not exist (racing tests are fine). It holds no
+/// grant of its own; each test's schema grants it `runtime_grants`.
+async fn ensure_runtime_role(owner: &PgPool) {
+    let created = sqlx::query(&format!("CREATE ROLE {RUNTIME_ROLE} LOGIN"))
+        .execute(owner)
+        .await;
+    if let Err(e) = created {
+        // 42710: it exists; 23505: another test created it at the same moment.
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .unwrap_or_default();
+        assert!(
+            code == "42710" || code == "23505",
+            "create role {RUNTIME_ROLE}: {e}"
+        );
+    }
+}
+
+/// Give [`RUNTIME_ROLE`] exactly the documented grants on `schema`: PUBLIC's default
+/// EXECUTE on the schema's functions revoked, then `runtime_grants`.
+pub async fn grant_runtime_role(owner: &PgPool, schema: &str) {
+    ensure_runtime_role(owner).await;
+    sqlx::query(&format!(
+        "REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA \"{schema}\" FROM PUBLIC"
+    ))
+    .execute(owner)
+    .await
+    .unwrap();
+    let grants = leasehold::store::runtime_grants(
+        &leasehold::store::Schema::new(schema).unwrap(),
+        RUNTIME_ROLE,
+    );
+    sqlx::raw_sql(&grants).execute(owner).await.unwrap();
+}
+
 /// Create the shared test database if it does not exist (racing tests are fine).
 pub async fn ensure_database() {
     let name = test_db_name();
@@ -52,9 +116,12 @@ pub async fn ensure_database() {
 /// One test's isolated world: its own schema, a small pool tagged with the test name.
 pub struct TestDb {
     pub schema: String,
+    /// Connected as the runtime role in runtime-role mode, else as the owner.
     pub pool: PgPool,
     pub store: Store,
     pub app_name: String,
+    /// The schema owner's pool (the same pool as `pool` unless in runtime-role mode).
+    pub owner: PgPool,
 }
 
 impl TestDb {
@@ -63,12 +130,26 @@ impl TestDb {
     }
 
     pub async fn with_options(test: &str, options: StoreOptions, pool_size: u32) -> TestDb {
-        let db = Self::unmigrated(test, options, pool_size).await;
+        let mut db = Self::unmigrated(test, options, pool_size).await;
         db.store.migrate().await.unwrap();
+        if let Some(role) = runtime_role() {
+            grant_runtime_role(&db.owner, &db.schema).await;
+            db.pool = pool_for(&db.app_name, pool_size).await;
+            let connected_as: String = sqlx::query_scalar("SELECT current_user::text")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+            assert_eq!(
+                connected_as, role,
+                "the test pool connects as the runtime role"
+            );
+            db.store = Store::new(db.pool.clone(), &db.schema, db.store.options().clone()).unwrap();
+        }
         db
     }
 
-    /// Like [`TestDb::with_options`] but the schema does not exist yet (migration tests).
+    /// Like [`TestDb::with_options`] but the schema does not exist yet (migration tests);
+    /// connected as the owner in every mode.
     pub async fn unmigrated(test: &str, options: StoreOptions, pool_size: u32) -> TestDb {
         ensure_database().await;
         let nonce: u32 = rand::random();
@@ -82,10 +163,11 @@ impl TestDb {
             nonce
         );
         let app_name = format!("lh-{schema}");
-        let pool = pool_for(&app_name, pool_size).await;
+        let pool = owner_pool_for(&app_name, pool_size).await;
         let store = Store::new(pool.clone(), &schema, options).unwrap();
         TestDb {
             schema,
+            owner: pool.clone(),
             pool,
             store,
             app_name,
@@ -134,13 +216,14 @@ impl TestDb {
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name LIKE $1 || '%' AND pid <> pg_backend_pid()",
         )
         .bind(prefix)
-        .fetch_one(&self.pool)
+        .fetch_one(&self.owner)
         .await
         .unwrap()
     }
 
     pub async fn drop(self) {
         self.pool.close().await;
+        self.owner.close().await;
         let mut conn = base_options()
             .database(&test_db_name())
             .connect()
@@ -152,15 +235,21 @@ impl TestDb {
     }
 }
 
+/// A pool on the test database as [`runtime_role`] (the owner when none is set).
 pub async fn pool_for(app_name: &str, size: u32) -> PgPool {
+    connect_pool(runtime_options(), app_name, size).await
+}
+
+/// A pool on the test database as the owner, in every mode.
+pub async fn owner_pool_for(app_name: &str, size: u32) -> PgPool {
+    connect_pool(base_options(), app_name, size).await
+}
+
+async fn connect_pool(options: PgConnectOptions, app_name: &str, size: u32) -> PgPool {
     PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(
-            base_options()
-                .database(&test_db_name())
-                .application_name(app_name),
-        )
+        .connect_with(options.database(&test_db_name()).application_name(app_name))
         .await
         .expect("connect to test database")
 }
@@ -260,7 +349,7 @@ impl TestDb {
 
     /// A raw connection to the test database tagged `suffix` (a worker's own session).
     pub async fn raw_conn(&self, suffix: &str) -> PgConnection {
-        base_options()
+        runtime_options()
             .database(&test_db_name())
             .application_name(&self.app_name_of(suffix))
             .connect()
@@ -320,7 +409,7 @@ impl TestDb {
             "CREATE TABLE {} (effect_key text NOT NULL, job_id bigint NOT NULL, generation bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
             self.table("test_effects")
         ))
-        .execute(&self.pool)
+        .execute(&self.owner)
         .await
         .unwrap();
     }

@@ -12,10 +12,13 @@ use std::time::Duration;
 
 use leasehold::{Backoff, Config, Handler, JobContext, JobError, Scheduler, Store, StoreOptions};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
-use crate::common::{base_options, ensure_database, pool_for, test_db_name, within, TestDb};
+use crate::common::{
+    base_options, ensure_database, grant_runtime_role, pool_for, runtime_options, runtime_role,
+    test_db_name, within, TestDb,
+};
 
 /// Set in a re-executed test binary: the schema its worker serves.
 pub const SCHEMA_VAR: &str = "LEASEHOLD_WORKER_SCHEMA";
@@ -125,8 +128,10 @@ pub async fn create_run_tables(db: &TestDb) {
         "CREATE TABLE {s}.workers (name text PRIMARY KEY, owner text NOT NULL, pid int NOT NULL)",
         "CREATE TABLE {s}.control (stop boolean NOT NULL)",
     ] {
+        // The application's tables are its owner's; the runtime role reaches them
+        // through the schema's default privileges (see `runtime_grants`).
         sqlx::query(&ddl.replace("{s}", &format!("\"{}\"", db.schema)))
-            .execute(&db.pool)
+            .execute(&db.owner)
             .await
             .unwrap();
     }
@@ -389,6 +394,16 @@ pub struct OwnDb {
     pub db: TestDb,
 }
 
+/// A pool of [`POOL`] connections on the test's own `database`, made with `options`.
+async fn own_pool(options: PgConnectOptions, database: &str, app_name: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(POOL)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options.database(database).application_name(app_name))
+        .await
+        .expect("connect to the test's own database")
+}
+
 impl OwnDb {
     pub async fn new(test: &str) -> OwnDb {
         ensure_database().await;
@@ -418,18 +433,19 @@ impl OwnDb {
             .expect("create test database");
         let schema = format!("t_{test}");
         let app_name = format!("lh-{database}");
-        let pool = PgPoolOptions::new()
-            .max_connections(POOL)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect_with(
-                base_options()
-                    .database(&database)
-                    .application_name(&app_name),
-            )
-            .await
-            .expect("connect to the test's own database");
+        let pool = own_pool(base_options(), &database, &app_name).await;
         let store = Store::new(pool.clone(), &schema, StoreOptions::default()).unwrap();
         store.migrate().await.unwrap();
+        let owner = pool.clone();
+        let (pool, store) = match runtime_role() {
+            None => (pool, store),
+            Some(_) => {
+                grant_runtime_role(&owner, &schema).await;
+                let pool = own_pool(runtime_options(), &database, &app_name).await;
+                let store = Store::new(pool.clone(), &schema, StoreOptions::default()).unwrap();
+                (pool, store)
+            }
+        };
         OwnDb {
             database,
             db: TestDb {
@@ -437,6 +453,7 @@ impl OwnDb {
                 pool,
                 store,
                 app_name,
+                owner,
             },
         }
     }
@@ -473,13 +490,14 @@ impl OwnDb {
         )
         .bind(&self.database)
         .bind(name)
-        .fetch_one(&self.db.pool)
+        .fetch_one(&self.db.owner)
         .await
         .unwrap()
     }
 
     pub async fn drop(self) {
         self.db.pool.close().await;
+        self.db.owner.close().await;
         let mut admin = base_options()
             .database("postgres")
             .connect()
