@@ -35,6 +35,10 @@ pub const DEFAULT_CLAIM_AHEAD: usize = 100;
 pub const DEFAULT_CLAIM_AHEAD_WINDOW: Duration = Duration::from_millis(100);
 /// Default [`Config::connections`]: 3 connections in the scheduler's own pool.
 pub const DEFAULT_CONNECTIONS: u32 = 3;
+/// Default [`Config::writer_lock_wait`]: 250 ms. Long enough for the locks the
+/// scheduler's own statements take (an enqueue into the key, a promotion: a few
+/// milliseconds), short against a lease.
+pub const DEFAULT_WRITER_LOCK_WAIT: Duration = Duration::from_millis(250);
 /// Default [`Config::inflight_byte_budget`]: 64 MiB of payloads held at once.
 pub const DEFAULT_INFLIGHT_BYTES: usize = 64 * 1024 * 1024;
 /// Default [`Config::max_run_time`]: 30 min.
@@ -175,6 +179,15 @@ pub struct Config {
     /// Connections of the scheduler's own pool that writes job endings (completions,
     /// failures, releases) and fetches a key's next job. Default 3.
     pub connections: u32,
+    /// How long one of those connections waits for a lock before it gives up and tries
+    /// again later, holding no connection meanwhile (PostgreSQL's `lock_timeout`). A
+    /// key's head cannot complete while a host's open transaction holds its key (its
+    /// `enqueue_in`, say); without this bound each such wait held one of the few
+    /// writer connections for as long as the host took, and every other job's ending
+    /// waited behind it. Shorter: other endings never wait long for a connection; longer:
+    /// fewer retries of a head whose key is held. Default 250 ms; at least 1 ms.
+    #[serde(with = "humantime_serde")]
+    pub writer_lock_wait: Duration,
     /// Jobs claimed beyond the free slots, at most, to wait in this process for the
     /// next one: a handler that returns starts the next job at once, with no round trip,
     /// and claims come in batches even at concurrency 1. They are leased and renewed
@@ -269,6 +282,7 @@ impl Default for Config {
             claim_ahead_window: Some(DEFAULT_CLAIM_AHEAD_WINDOW),
             handler_threads: None,
             connections: DEFAULT_CONNECTIONS,
+            writer_lock_wait: DEFAULT_WRITER_LOCK_WAIT,
             inflight_byte_budget: DEFAULT_INFLIGHT_BYTES,
             retry: RetryPolicy::default(),
             max_run_time: DEFAULT_MAX_RUN_TIME,
@@ -435,6 +449,10 @@ impl Config {
         }
         if self.store.max_result_bytes == 0 {
             return Err(refuse("store.max_result_bytes", "must be positive"));
+        }
+        if self.writer_lock_wait < Duration::from_millis(1) {
+            // lock_timeout 0 would mean no bound at all.
+            return Err(refuse("writer_lock_wait", "must be at least 1ms"));
         }
         if self.connections == 0 {
             return Err(refuse("connections", "must be at least 1"));

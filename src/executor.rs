@@ -705,7 +705,7 @@ where
 }
 
 /// The longest pause between tries of an ending that waits for a lock another session
-/// holds (each try waits `scheduler::pools::WRITER_LOCK_WAIT` itself).
+/// holds (each try waits `Config::writer_lock_wait` itself).
 const LOCK_RETRY_MAX: Duration = Duration::from_millis(100);
 
 /// Tries of an ending write the database refuses for a reason other than a passing one.

@@ -63,6 +63,10 @@ fn an_invalid_config_is_refused_at_start_naming_the_field() {
                 Box::new(|c| c.schema = "no spaces; allowed".into()),
             ),
             ("mailbox_capacity", Box::new(|c| c.mailbox_capacity = 0)),
+            (
+                "writer_lock_wait",
+                Box::new(|c| c.writer_lock_wait = Duration::ZERO),
+            ),
             ("retry.max_attempts", Box::new(|c| c.retry.max_attempts = 0)),
             (
                 "effect_keep",

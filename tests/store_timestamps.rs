@@ -160,6 +160,11 @@ fn a_successor_claimed_by_a_completion_that_waited_for_its_key_is_not_born_expir
         // always is one.
         config.concurrency = 8;
         config.claim_batch_max = 4;
+        // The head's completion must wait in one transaction for the whole hold, longer
+        // than a lease, so that a successor leased from the transaction's start (not
+        // from the moment of its claim) would be born expired. The default lock wait
+        // (250 ms) would end each try long before and start a fresh transaction.
+        config.writer_lock_wait = Duration::from_secs(10);
         let scheduler = Scheduler::builder(db.pool.clone(), config)
             .register(Quick)
             .start()

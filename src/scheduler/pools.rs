@@ -19,12 +19,6 @@ use crate::job::OwnerId;
 pub(crate) const MAINTENANCE_SESSION: &str =
     "SET lock_timeout = '5s'; SET statement_timeout = '60s'; SET idle_in_transaction_session_timeout = '60s'";
 
-/// How long a write of a job's ending waits for a lock before it gives its connection
-/// back and tries again later (see [`SidePools::writer`]). Long enough for the locks
-/// the scheduler's own statements take (an enqueue into the key, a promotion: a few
-/// milliseconds), short against a lease.
-pub(crate) const WRITER_LOCK_WAIT: Duration = Duration::from_millis(250);
-
 /// Makes the scheduler's own small pools, named after their role and the owner.
 #[derive(Clone)]
 pub(crate) struct SidePools {
@@ -114,7 +108,7 @@ impl SidePools {
     }
 
     ///
-    /// Its sessions wait at most [`WRITER_LOCK_WAIT`] for a lock (`lock_timeout`): a
+    /// Its sessions wait at most `Config::writer_lock_wait` for a lock (`lock_timeout`): a
     /// key's head completing, failing or being released while a host's open transaction
     /// holds the key (its `enqueue_in`, say) must not sit on one of these few
     /// connections for as long as the host takes, or every other job's ending waits for
@@ -126,13 +120,13 @@ impl SidePools {
     /// with its `BEGIN`: `Store::with_pooled_lock_wait`).
     pub fn writer(&self) -> PgPool {
         let bounded = !self.config.store.transaction_pooler;
+        let ms = self.config.writer_lock_wait.as_millis();
         PgPoolOptions::new()
             .max_connections(self.config.connections)
             .acquire_timeout(Duration::from_secs(5))
             .after_connect(move |conn, _| {
                 Box::pin(async move {
                     if bounded {
-                        let ms = WRITER_LOCK_WAIT.as_millis();
                         sqlx::Executor::execute(
                             &mut *conn,
                             sqlx::raw_sql(&format!("SET lock_timeout = {ms}")),

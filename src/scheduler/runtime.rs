@@ -237,7 +237,7 @@ fn build(
     // setting, or behind a transaction pooler by each of its transactions.
     let store = host_store
         .with_pool(side.writer())
-        .with_pooled_lock_wait(super::pools::WRITER_LOCK_WAIT);
+        .with_pooled_lock_wait(config.writer_lock_wait);
     let maintenance = Arbiter::new();
     let running: Running = Default::default();
     let renewer = {
