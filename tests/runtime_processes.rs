@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use common::{within, TestDb};
-use leasehold::{NewJob, StoreOptions};
+use leasehold::{NewJob, OwnerId, StoreOptions};
 use worker::{
     config_with_lease, create_run_tables, run_in_system, start_logged, stop_workers, wait_until,
     ChildWorker, Step, POOL,
@@ -72,6 +72,28 @@ async fn count(db: &TestDb, sql: &str) -> i64 {
         .fetch_one(&db.pool)
         .await
         .unwrap()
+}
+
+/// (job, generation) pairs that `sql` selects for `owner` (its `$1`).
+async fn runs_of(db: &TestDb, sql: &str, owner: &str) -> Vec<(i64, i64)> {
+    sqlx::query_as(&sql.replace("{s}", &format!("\"{}\"", db.schema)))
+        .bind(owner)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// The events of these jobs, for a failure message.
+async fn history_of(db: &TestDb, jobs: &[&(i64, i64)]) -> Vec<(i64, i64, String, Option<String>)> {
+    let ids: Vec<i64> = jobs.iter().map(|j| j.0).collect();
+    sqlx::query_as(&format!(
+        "SELECT job_id, generation, event, owner FROM {} WHERE job_id = ANY($1) ORDER BY id",
+        db.table("job_events")
+    ))
+    .bind(&ids)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
 }
 
 async fn wait_all_done(db: &TestDb, total: i64, secs: u64) {
@@ -286,25 +308,35 @@ fn a_killed_scheduler_process_loses_nothing_and_keys_stay_in_order() {
         .await;
         let status = victim.kill();
         assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
-        // A COMMIT the victim sent just before dying may still land; count what it held
-        // once its backends are gone.
+        // A COMMIT the victim sent just before dying may still land (a completion from
+        // its writer, a claim from its claimer); count what it held once all its
+        // backends are gone: the worker's own pool and the scheduler's
+        // `leasehold-<role> <pid>:<nonce>` sessions.
         let victim_app = format!("lh-{}-victim", db.schema);
+        let victim_sessions = format!(
+            "leasehold-% {}",
+            OwnerId::named(victim_owner.clone()).short()
+        );
         wait_until(30, "the victim's backends to end", || async {
             sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE application_name = $1 OR application_name LIKE $2",
             )
             .bind(&victim_app)
+            .bind(&victim_sessions)
             .fetch_one(&db.pool)
             .await
             .unwrap()
                 == 0
         })
         .await;
-        let held_at_kill = count(
+        let held = runs_of(
             &db,
-            &format!("SELECT count(*) FROM {{s}}.jobs WHERE state = 'running' AND owner = '{victim_owner}'"),
+            "SELECT id, generation FROM {s}.jobs WHERE state = 'running' AND owner = $1",
+            &victim_owner,
         )
         .await;
+        let held_at_kill = held.len();
         eprintln!("the victim held {held_at_kill} running jobs when killed");
 
         // The survivor reaps the victim's leases and finishes everything.
@@ -316,9 +348,21 @@ fn a_killed_scheduler_process_loses_nothing_and_keys_stay_in_order() {
         let reaped_from_victim = db
             .count_where("lease_expiries", &format!("owner = '{victim_owner}'"))
             .await;
+        assert!(reaped_from_victim >= 1, "no lease of the victim expired");
+        // Each run the victim held when it died was taken back by a reap of exactly
+        // that generation (nothing else may end a dead owner's run).
+        let reaped = runs_of(
+            &db,
+            "SELECT job_id, generation FROM {s}.lease_expiries WHERE owner = $1",
+            &victim_owner,
+        )
+        .await;
+        let not_reaped: Vec<_> = held.iter().filter(|h| !reaped.contains(h)).collect();
         assert!(
-            reaped_from_victim >= 1 && reaped_from_victim >= held_at_kill,
-            "expired leases of the victim: {reaped_from_victim}, held at kill: {held_at_kill}"
+            not_reaped.is_empty(),
+            "runs the victim held at its death that no reap took back (job, generation): \
+             {not_reaped:?} of {held_at_kill}; their history: {:?}",
+            history_of(&db, &not_reaped).await
         );
         assert!(m.counters.reaped >= 1, "{:?}", m.counters);
         // A survivor lease expiring (a loaded machine) would be a legitimate rerun, not a
