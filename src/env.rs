@@ -64,6 +64,12 @@ pub(crate) struct Env {
     /// while every slot was busy); see `actor::dispatch`. Their leases are renewed
     /// meanwhile (they are in `running`).
     pub ready: ReadyQueue,
+    /// How many claimed jobs the claimer wants waiting for a slot now: its paced
+    /// claim-ahead target (`Config::claim_ahead`, `claim_ahead_window`), 0 while
+    /// claim-ahead is paused. A completion with every slot busy claims its key's successor
+    /// only while `ready` is below this, so a parked successor is a claimed-ahead job by
+    /// another road, inside the same bound (see `executor`).
+    pub ahead_target: std::sync::atomic::AtomicUsize,
     /// Per-queue limits (`Config::queue_concurrency`), counted by `track` and `untrack`.
     pub queue_limits: QueueLimits,
     /// The queues last seen paused: their claimed-ahead jobs are given back, not started.

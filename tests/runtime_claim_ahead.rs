@@ -3,7 +3,9 @@
 //! once they have waited a lease (even when no slot frees and no wake-up comes), and
 //! released at shutdown, never charged an attempt for the wait; and sized to the
 //! scheduler's pace, so slow jobs are not hoarded by one process while another could
-//! run them. Asserted on what the handlers ran and on the jobs' rows.
+//! run them. A key's successor claimed by its predecessor's completion while every slot
+//! is busy waits within the same paced bound. Asserted on what the handlers ran and on
+//! the jobs' rows.
 
 mod common;
 #[path = "common/scripted.rs"]
@@ -195,5 +197,84 @@ fn slow_jobs_are_not_hoarded_by_the_first_scheduler() {
         a.shutdown().await.unwrap();
         b.shutdown().await.unwrap();
         db.drop().await;
+    }))
+}
+
+/// Run `n` jobs of `work_ms` each, all of one key, on one slot and the default (paced)
+/// claim-ahead; returns the scheduler's counters and the execution log.
+async fn one_key_on_one_slot(
+    name: &str,
+    n: i64,
+    work_ms: u64,
+) -> (leasehold::metrics::CounterSnapshot, Vec<scripted::Exec>) {
+    let db = TestDb::with_options(name, StoreOptions::default(), POOL).await;
+    let h = Scripted::new(&db.pool);
+    let mut config = config_with_lease(&db.schema, Duration::from_secs(30));
+    config.concurrency = 1;
+    let a = Scheduler::builder(db.pool.clone(), config)
+        .register(h.clone())
+        .start()
+        .await
+        .unwrap();
+    a.enqueue_many(
+        (0..n)
+            .map(|i| scripted(work(&format!("{name}{i}"), work_ms)).with_key("account-1"))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    wait_until(30, "the key's jobs done", || async {
+        db.count_where("jobs", "state = 'done'").await == n
+    })
+    .await;
+    let counters = a.metrics().counters;
+    a.shutdown().await.unwrap();
+    db.drop().await;
+    (counters, h.log())
+}
+
+/// One slot, one key with 300 quick jobs: every completion finds the slot still its
+/// own, so before a successor could be chained only with a spare slot, each of them was
+/// promoted to pending and claimed by a claim statement of its own. Now, while fewer
+/// jobs wait than the paced claim-ahead target, the completion claims it (counted in
+/// `chained_ahead`) and the key's jobs still run one at a time, in order, once each.
+#[test]
+fn a_keys_successor_is_chained_into_the_claim_ahead_room_when_every_slot_is_busy() {
+    run_in_system(within(60, "chained successor test", async {
+        let n = 300;
+        let (c, log) = one_key_on_one_slot("rt_ahead_chain", n, 0).await;
+        eprintln!(
+            "chained with the slot busy: {}, claim statements: {} ({} empty)",
+            c.chained_ahead, c.claims, c.empty_claims
+        );
+        assert!(
+            c.chained_ahead >= n as u64 / 2 && c.claims < n as u64 / 2,
+            "successors chained with the slot busy: {} of {n}; claim statements: {}",
+            c.chained_ahead,
+            c.claims
+        );
+        assert_eq!(log.len(), n as usize, "each job ran once");
+        for pair in log.windows(2) {
+            assert!(pair[0].key_seq < pair[1].key_seq, "out of order: {pair:?}");
+            assert!(
+                pair[0].end.is_some_and(|end| end <= pair[1].start),
+                "overlap: {pair:?}"
+            );
+        }
+    }))
+}
+
+/// The same key of slow jobs (the pace earns no claim-ahead): with the slot busy a
+/// successor is not chained to wait here, so another process could take the key's next
+/// job. (The pace rises at once, so one job ending just after a short sample can read as
+/// a pace worth one job ahead for a moment: at most two of the seven are allowed, where
+/// chaining regardless of the pace chains all seven.)
+#[test]
+fn a_slow_keys_successor_is_not_chained_to_wait_for_a_busy_slot() {
+    run_in_system(within(60, "slow chained successor test", async {
+        let n = 8;
+        let (c, log) = one_key_on_one_slot("rt_ahead_chain_slow", n, 300).await;
+        assert!(c.chained_ahead <= 2, "{c:?}");
+        assert_eq!(log.len(), n as usize);
     }))
 }

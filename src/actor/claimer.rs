@@ -206,6 +206,10 @@ impl Claimer {
         }
         start_ready(&self.env);
         let ahead_target = self.ahead_target();
+        self.env.ahead_target.store(
+            if self.ahead_paused { 0 } else { ahead_target },
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let cfg = &self.env.config;
         let free = self.env.slots.free();
         let ahead_room = ahead_target.saturating_sub(self.env.ready.len());

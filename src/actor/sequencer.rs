@@ -16,8 +16,9 @@
 //! # Backpressure
 //! A job delivered while another runs waits in the sequencer (rare: only after a
 //! release or a reap). Each queued job already holds its slot. A chained successor is
-//! only asked for when another slot was free as the handler returned, so parked
-//! successors are few and short-lived.
+//! only asked for when another slot was free as the handler returned, or when fewer
+//! jobs wait for a slot than the claimer's paced claim-ahead target: parked successors
+//! are jobs claimed ahead, bounded and given back like them.
 //!
 //! # Shutdown
 //! Once shutdown begins it fetches nothing more. On [`super::Stop`] it stops at once

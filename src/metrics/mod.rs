@@ -142,6 +142,10 @@ counters! {
     claimed,
     /// Of `claimed`: jobs claimed ahead of a free slot (`Config::claim_ahead`).
     claimed_ahead,
+    /// Of `claimed`: keys' successors claimed by their predecessor's completion while
+    /// every slot was busy; they wait for a slot as jobs claimed ahead do, within the
+    /// same target.
+    chained_ahead,
     /// Claim statements run.
     claims,
     /// Claim statements that returned nothing.

@@ -308,6 +308,7 @@ fn build(
         stop_claiming: CancellationToken::new(),
         hard_stop: CancellationToken::new(),
         ready: Default::default(),
+        ahead_target: Default::default(),
         paused: Default::default(),
         queue_limits: QueueLimits::new(&config.queue_concurrency),
         #[cfg(feature = "prometheus")]
