@@ -199,8 +199,13 @@ async fn attempt_in_span(
     // target. Otherwise it is promoted to pending and claimed again later, which costs a
     // third version of its row and a claim (at saturation that was most successors:
     // keyed throughput rose by half when they were chained).
+    // (Read before `ran()` hands this slot on; the ready queue's lock only for a keyed
+    // job that found no spare slot.)
     let spare = env.slots.free() > 0;
-    let ahead_room = env.ready.len() < env.ahead_target.load(std::sync::atomic::Ordering::Relaxed);
+    let ahead_room = chain
+        && !spare
+        && job.key.is_some()
+        && env.ready.len() < env.ahead_target.load(std::sync::atomic::Ordering::Relaxed);
     ran();
     let bytes_ok = env.slots.byte_room() >= env.config.store.max_payload_bytes as i64
         || env.slots.bytes_in_use() == 0;

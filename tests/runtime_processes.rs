@@ -345,10 +345,6 @@ fn a_killed_scheduler_process_loses_nothing_and_keys_stay_in_order() {
         local.shutdown().await.unwrap();
 
         assert_eq!(count(&db, "SELECT count(*) FROM {s}.jobs").await, total);
-        let reaped_from_victim = db
-            .count_where("lease_expiries", &format!("owner = '{victim_owner}'"))
-            .await;
-        assert!(reaped_from_victim >= 1, "no lease of the victim expired");
         // Each run the victim held when it died was taken back by a reap of exactly
         // that generation (nothing else may end a dead owner's run).
         let reaped = runs_of(
@@ -357,6 +353,7 @@ fn a_killed_scheduler_process_loses_nothing_and_keys_stay_in_order() {
             &victim_owner,
         )
         .await;
+        assert!(!reaped.is_empty(), "no lease of the victim expired");
         let not_reaped: Vec<_> = held.iter().filter(|h| !reaped.contains(h)).collect();
         assert!(
             not_reaped.is_empty(),

@@ -143,8 +143,8 @@ counters! {
     /// Of `claimed`: jobs claimed ahead of a free slot (`Config::claim_ahead`).
     claimed_ahead,
     /// Of `claimed`: keys' successors claimed by their predecessor's completion while
-    /// every slot was busy; they wait for a slot as jobs claimed ahead do, within the
-    /// same target.
+    /// every slot was busy, into the claim-ahead target's room: one that finds no slot
+    /// free by then waits for one as a job claimed ahead does.
     chained_ahead,
     /// Claim statements run.
     claims,
