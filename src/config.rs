@@ -28,9 +28,13 @@ pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(50);
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_secs(2);
 /// Default [`Config::claim_batch_max`]: 100 jobs per claim statement.
 pub const DEFAULT_CLAIM_BATCH_MAX: usize = 100;
-/// Default [`Config::claim_ahead`]: at most 100 jobs claimed beyond the free slots (as
-/// many as a claim statement takes, [`DEFAULT_CLAIM_BATCH_MAX`]).
-pub const DEFAULT_CLAIM_AHEAD: usize = 100;
+/// Default [`Config::claim_ahead`]: at most 300 jobs claimed beyond the free slots, so
+/// at tens of thousands of jobs per second the waiting jobs cover the time two claim
+/// statements take (with 100, the queue ran dry between claims in a quarter of the
+/// samples at concurrency 32; 300 gave 9% more no-op jobs per second there and 23% more
+/// keyed ones, whose chained successors share this room). The pace
+/// ([`DEFAULT_CLAIM_AHEAD_WINDOW`]) keeps slower work to far fewer.
+pub const DEFAULT_CLAIM_AHEAD: usize = 300;
 /// Default [`Config::claim_ahead_window`]: 100 ms of this scheduler's recent pace.
 pub const DEFAULT_CLAIM_AHEAD_WINDOW: Duration = Duration::from_millis(100);
 /// Default [`Config::connections`]: 3 connections in the scheduler's own pool.
@@ -195,7 +199,7 @@ pub struct Config {
     /// shutdown and given back if they wait a lease. The cost: a process that dies holds
     /// them until their leases expire, and other processes cannot run them meanwhile;
     /// `claim_ahead_window` keeps that to what this process would start soon anyway.
-    /// 0 turns it off. Default 100.
+    /// 0 turns it off. Default 300.
     pub claim_ahead: usize,
     /// Claim ahead only what this scheduler starts in this long at its recent pace (jobs
     /// claimed per second, smoothed), up to `claim_ahead`: fast handlers get the whole

@@ -70,6 +70,10 @@ pub(crate) struct Env {
     /// only while `ready` is below this, so a parked successor is a claimed-ahead job by
     /// another road, inside the same bound (see `executor`).
     pub ahead_target: std::sync::atomic::AtomicUsize,
+    /// A [`SlotsFreed`](crate::actor::claimer::SlotsFreed) is in the claimer's mailbox,
+    /// not yet handled: the claimer looks at the slots when it handles it, so later
+    /// endings send none (under load that was one message per job).
+    pub claimer_woken: std::sync::atomic::AtomicBool,
     /// Per-queue limits (`Config::queue_concurrency`), counted by `track` and `untrack`.
     pub queue_limits: QueueLimits,
     /// The queues last seen paused: their claimed-ahead jobs are given back, not started.
@@ -123,8 +127,16 @@ impl Env {
     /// Tell the claimer that slots were freed (or a successor was parked). New work is
     /// announced by NOTIFY instead (the listener's `Wake`).
     pub fn wake_claimer(&self) {
-        if let Some(claimer) = self.claimer.get() {
-            let _ = claimer.tell(crate::actor::claimer::SlotsFreed);
+        use std::sync::atomic::Ordering::SeqCst;
+        let Some(claimer) = self.claimer.get() else {
+            return;
+        };
+        // One message at a time: the claimer clears the flag before it looks, so an
+        // ending after its look sends the next one.
+        if !self.claimer_woken.swap(true, SeqCst)
+            && claimer.tell(crate::actor::claimer::SlotsFreed).is_err()
+        {
+            self.claimer_woken.store(false, SeqCst);
         }
     }
 }

@@ -156,7 +156,7 @@ fn slow_jobs_are_not_hoarded_by_the_first_scheduler() {
         let h = Scripted::new(&db.pool);
         let mut config = config_with_lease(&db.schema, Duration::from_secs(30));
         config.concurrency = 2;
-        assert_eq!(config.claim_ahead, 100, "the default");
+        assert_eq!(config.claim_ahead, 300, "the default");
         let a = Scheduler::builder(db.pool.clone(), config.clone())
             .register(h.clone())
             .start()

@@ -118,21 +118,30 @@ pub fn config(concurrency: usize, history: bool) -> Config {
         ..Config::default()
     };
     c.store.full_history = history;
-    // An experiment's knob, not a recommendation: the default is what users get.
-    if let Some(n) = std::env::var("LEASEHOLD_BENCH_CLAIM_AHEAD")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    // Experiments' knobs, not recommendations: the defaults are what users get.
+    // `LEASEHOLD_BENCH_HANDLER_THREADS=0` runs handlers on the scheduler's own thread
+    // (see `Config::handler_threads`).
+    if let Some(n) = knob("LEASEHOLD_BENCH_CLAIM_AHEAD") {
         c.claim_ahead = n;
     }
-    // The same: `0` runs handlers on the scheduler's own thread (see `Config::handler_threads`).
-    if let Some(n) = std::env::var("LEASEHOLD_BENCH_HANDLER_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(n) = knob("LEASEHOLD_BENCH_HANDLER_THREADS") {
         c.handler_threads = Some(n);
     }
+    if let Some(n) = knob("LEASEHOLD_BENCH_CLAIM_BATCH_MAX") {
+        c.claim_batch_max = n;
+    }
+    if let Some(n) = knob("LEASEHOLD_BENCH_COMPLETION_BATCH") {
+        c.completion_batch = n;
+    }
+    if let Some(us) = knob("LEASEHOLD_BENCH_COMPLETION_FLUSH_US") {
+        c.completion_flush = Duration::from_micros(us as u64);
+    }
     c
+}
+
+/// A number from the environment variable `name`, if it is set to one.
+fn knob(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 pub fn noop_job(n: u64) -> NewJob {

@@ -19,7 +19,12 @@
 //! `LEASEHOLD_BENCH_DB`),
 //! and works in the schema `bench` there, which it drops and recreates (the peer: in
 //! `bench_graphile_worker`, dropped before each of its measurements). `BENCH_DEBUG=1`
-//! prints what each scheduler did (claims, batch sizes, process CPU).
+//! prints what each scheduler did (claims, batch sizes, process CPU, and how often the
+//! queue of claimed jobs waiting for a slot was found empty while it drained). For
+//! experiments only, these override one `Config` field of every leasehold run:
+//! `LEASEHOLD_BENCH_CLAIM_AHEAD`, `LEASEHOLD_BENCH_CLAIM_BATCH_MAX`,
+//! `LEASEHOLD_BENCH_COMPLETION_BATCH`, `LEASEHOLD_BENCH_COMPLETION_FLUSH_US`,
+//! `LEASEHOLD_BENCH_HANDLER_THREADS`.
 
 use std::time::Instant;
 

@@ -192,11 +192,23 @@ async fn drain_noop(
         .start()
         .await
         .expect("start scheduler");
+    let (mut samples, mut empty, mut infl) = (0u64, 0u64, 0u64);
     wait_until("the scheduler to drain", limit, || {
-        s.metrics().counters.completed >= n
+        let m = s.metrics();
+        samples += 1;
+        empty += (m.ready == 0) as u64;
+        infl += m.in_flight;
+        m.counters.completed >= n
     })
     .await;
     let took = t0.elapsed().as_secs_f64();
+    if std::env::var_os("BENCH_DEBUG").is_some() {
+        eprintln!(
+            "    samples {samples}: ready empty {:.0}%, mean in_flight {:.1}",
+            empty as f64 * 100.0 / samples as f64,
+            infl as f64 / samples as f64
+        );
+    }
     if std::env::var_os("BENCH_DEBUG").is_some() {
         eprintln!(
             "    process cpu {:.0}% of one core",

@@ -477,6 +477,11 @@ impl Handler<SlotsFreed> for Claimer {
     type Result = ();
     fn handle(&mut self, _: SlotsFreed, ctx: &mut Self::Context) {
         let _m = self.meter.handling();
+        // Before looking: an ending from now on sends another message (see
+        // `Env::wake_claimer`).
+        self.env
+            .claimer_woken
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         if !self.more_waiting && self.env.ready.is_empty() {
             return;
         }

@@ -309,6 +309,7 @@ fn build(
         hard_stop: CancellationToken::new(),
         ready: Default::default(),
         ahead_target: Default::default(),
+        claimer_woken: Default::default(),
         paused: Default::default(),
         queue_limits: QueueLimits::new(&config.queue_concurrency),
         #[cfg(feature = "prometheus")]
