@@ -132,8 +132,8 @@ pub struct Config {
     pub queues: Vec<String>,
     /// Handlers run at once by this scheduler (keyed and unkeyed). An unkeyed job's slot
     /// is free again when its handler returns; its completion is then written by the
-    /// batcher, and at most `max(concurrency, completion_batch)` jobs wait for that write
-    /// before claims pause. Default 16.
+    /// batcher, and at most `max(concurrency, 3 × completion_batch)` jobs wait for that
+    /// write before claims pause (two batches being written, one filling). Default 16.
     pub concurrency: usize,
     /// Queues with a limit of their own: at most this many of the queue's jobs held by
     /// this scheduler at once (running, or claimed and waiting for a slot), so a flooded
