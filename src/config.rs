@@ -26,8 +26,12 @@ pub const DEFAULT_RENEW_INTERVAL: Duration = Duration::from_secs(10);
 pub const DEFAULT_POLL_MIN: Duration = Duration::from_millis(50);
 /// Default [`Config::poll_interval_max`]: 2 s.
 pub const DEFAULT_POLL_MAX: Duration = Duration::from_secs(2);
-/// Default [`Config::claim_batch_max`]: 100 jobs per claim statement.
-pub const DEFAULT_CLAIM_BATCH_MAX: usize = 100;
+/// Default [`Config::claim_batch_max`]: 200 jobs per claim statement. With claim-ahead
+/// the claimer mostly tops up its queue of waiting jobs, one statement at a time, so a
+/// statement's size bounds how fast a busy scheduler can claim: 200 against 100 gave 6%
+/// more no-op jobs per second at concurrency 32 and 17% more at 128, and 7% fewer keyed
+/// ones (10,000 keys × 10; interleaved runs, `bench -- --only e2e,keyed`).
+pub const DEFAULT_CLAIM_BATCH_MAX: usize = 200;
 /// Default [`Config::claim_ahead`]: at most 300 jobs claimed beyond the free slots, so
 /// at tens of thousands of jobs per second the waiting jobs cover the time two claim
 /// statements take (with 100, the queue ran dry between claims in a quarter of the
@@ -154,7 +158,7 @@ pub struct Config {
     /// the claimer earlier; this bound is what holds when a notification is lost.
     #[serde(with = "humantime_serde")]
     pub poll_interval_max: Duration,
-    /// Most jobs claimed per statement. Default 100.
+    /// Most jobs claimed per statement. Default 200.
     pub claim_batch_max: usize,
     /// Threads of the scheduler's own that run handlers. `None` (the default): handlers
     /// run on the runtime the scheduler was started from — the host's, so they use its
