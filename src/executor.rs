@@ -201,21 +201,17 @@ async fn attempt_in_span(
     // keyed throughput rose by half when they were chained).
     // (Read before `ran()` hands this slot on; the ready queue's lock only for a keyed
     // job that found no spare slot.)
+    let chain = chain && job.key.is_some();
     let spare = env.slots.free() > 0;
     let ahead_room = chain
         && !spare
-        && job.key.is_some()
         && env.ready.len() < env.ahead_target.load(std::sync::atomic::Ordering::Relaxed);
     ran();
     let bytes_ok = env.slots.byte_room() >= env.config.store.max_payload_bytes as i64
         || env.slots.bytes_in_use() == 0;
     let next = std::sync::Mutex::new(Successor::NotAsked);
-    let chain = (chain
-        && (spare || ahead_room)
-        && bytes_ok
-        && job.key.is_some()
-        && !env.stop_claiming.is_cancelled())
-    .then_some(&next);
+    let chain = (chain && (spare || ahead_room) && bytes_ok && !env.stop_claiming.is_cancelled())
+        .then_some(&next);
     let ended = write_ending(&env, &ctx, attempt, chain).await;
     meter.ended(ended.outcome());
     let next = next.into_inner().unwrap_or_else(|p| p.into_inner());

@@ -208,8 +208,6 @@ async fn drain_noop(
             empty as f64 * 100.0 / samples as f64,
             infl as f64 / samples as f64
         );
-    }
-    if std::env::var_os("BENCH_DEBUG").is_some() {
         eprintln!(
             "    process cpu {:.0}% of one core",
             (setup::cpu_secs() - cpu0) / took * 100.0
