@@ -34,6 +34,9 @@ pub(crate) struct Env {
     pub handler_store: Store,
     /// Where handlers run (`Config::handler_threads`).
     pub handlers: Handlers,
+    /// The scheduler's own thread, where executions are watched and actors run,
+    /// whichever thread began them.
+    pub home: Home,
     /// The same store over the claimer's own connections (see `scheduler::claim_session`).
     pub claim_store: Store,
     pub config: Config,
@@ -137,6 +140,50 @@ impl Env {
             && claimer.tell(crate::actor::claimer::SlotsFreed).is_err()
         {
             self.claimer_woken.store(false, SeqCst);
+        }
+    }
+}
+
+/// The scheduler's own thread: its arbiter, and how to tell whether code runs on it.
+pub(crate) struct Home {
+    arbiter: actix::ArbiterHandle,
+    thread: std::thread::ThreadId,
+}
+
+impl Home {
+    /// The thread this is called on; call it on the scheduler's thread.
+    pub fn here() -> Self {
+        Home {
+            arbiter: actix::Arbiter::current(),
+            thread: std::thread::current().id(),
+        }
+    }
+
+    /// Call `f` on the scheduler's thread: now when called there, otherwise as soon as
+    /// its arbiter gets to it.
+    pub fn call<F>(&self, f: F)
+    where
+        F: FnOnce() + Send + 'static,
+    {
+        if std::thread::current().id() == self.thread {
+            f();
+        } else {
+            self.spawn(async move { f() });
+        }
+    }
+
+    /// Run `fut` on the scheduler's thread: at once as a local task when called there,
+    /// otherwise through its arbiter. The arbiter is gone only once the scheduler has
+    /// shut down; `fut` is then dropped (an execution dropped this way ends its hold,
+    /// and its job's lease expires, as after a crash).
+    pub fn spawn<F>(&self, fut: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        if std::thread::current().id() == self.thread {
+            actix::spawn(fut);
+        } else if !self.arbiter.spawn(fut) {
+            tracing::warn!("leasehold scheduler already stopped; work handed to it is dropped");
         }
     }
 }

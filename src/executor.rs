@@ -93,19 +93,81 @@ pub(crate) fn unhold(env: &Env, n: usize) {
 }
 
 /// Ends a hold when the execution ends (or is dropped).
-struct HeldJob<'a>(&'a Env);
+struct HeldJob(Arc<Env>);
 
-impl Drop for HeldJob<'_> {
+impl Drop for HeldJob {
     fn drop(&mut self) {
-        unhold(self.0, 1);
+        unhold(&self.0, 1);
     }
 }
 
-/// Run one claimed (tracked and [`hold`]-counted) job to its ending, calling `ran` once
-/// the handler has returned, before the ending is written: the claimer frees the job's
-/// slot there, so the next claim overlaps the completion write.
-pub(crate) async fn execute_then(env: Arc<Env>, ctx: JobContext, ran: impl FnOnce()) -> Ended {
-    attempt_once(env, ctx, ran, false).await.0
+/// An attempt whose handler was started (or found not startable) by [`begin`], for
+/// [`finish`] to watch and end. Dropped unfinished (only when the scheduler's thread has
+/// already stopped, see `Home::spawn`), it ends its hold, and nothing renews its lease
+/// any more: the job runs again after it expires, as after a crash.
+pub(crate) struct Begun {
+    env: Arc<Env>,
+    ctx: JobContext,
+    span: tracing::Span,
+    _held: HeldJob,
+    start: Start,
+}
+
+enum Start {
+    /// The handler's task, spawned at `started`.
+    Running {
+        task: JoinHandle<std::result::Result<serde_json::Value, AttemptError>>,
+        started: Instant,
+        max_run_time: Duration,
+    },
+    /// The handler may not start (no live lease, shutdown): the attempt's outcome instead.
+    Not(Attempt),
+    /// The job cannot run (its payload did not decode, its kind has no handler): a
+    /// failed attempt that ran for no time.
+    Refused(Attempt),
+}
+
+/// Begin one claimed (tracked and [`hold`]-counted) job's attempt: check it may start,
+/// and spawn its handler where handlers run. Synchronous and callable from any thread,
+/// so a handler's own task can start the next waiting job the moment it returns, with
+/// no hand-over to the scheduler's thread between the two (see `actor::dispatch`).
+/// `on_return` runs inside the handler's task right after the handler's body returns
+/// (not after a panic or an abort).
+pub(crate) fn begin(
+    env: Arc<Env>,
+    ctx: JobContext,
+    on_return: Option<Box<dyn FnOnce() + Send>>,
+) -> Begun {
+    let span = attempt_span(&env, &ctx);
+    let held = HeldJob(env.clone());
+    let job = ctx.job();
+    if job.attempt == 1 {
+        if let Ok(waited) = (job.claimed_at - job.created_at).to_std() {
+            let meter = env.metrics.job(&job.queue, &job.kind);
+            env.metrics.record_start(&meter, waited);
+        }
+    }
+    let start = match not_startable(&env, &ctx) {
+        Some(instead) => {
+            env.metrics.incr(|c| &c.not_started);
+            Start::Not(instead)
+        }
+        None => span.in_scope(|| spawn_handler(&env, &ctx, on_return)),
+    };
+    Begun {
+        env,
+        ctx,
+        span,
+        _held: held,
+        start,
+    }
+}
+
+/// Watch a [`begin`]-started attempt to its ending, calling `ran` once the handler has
+/// returned (or was stopped), before the ending is written: the slot is freed there (if
+/// the handler's task did not already), so the next claim overlaps the completion write.
+pub(crate) async fn finish(begun: Begun, ran: impl FnOnce()) -> Ended {
+    finish_attempt(begun, ran, false).await.0
 }
 
 /// What a completion through the batcher said about the key's next job.
@@ -122,9 +184,9 @@ pub(crate) enum Successor {
     Claimed(Box<JobContext>),
 }
 
-/// [`execute_then`] for a key's sequencer: a completion also claims the key's successor
-/// in its transaction (unless shutdown has begun), for the sequencer to run with the
-/// slot it holds.
+/// [`begin`] and [`finish`] in one, for a key's sequencer (on the scheduler's thread): a
+/// completion also claims the key's successor in its transaction (unless shutdown has
+/// begun), for the sequencer to run with the slot it holds.
 pub(crate) async fn execute_chained(
     env: Arc<Env>,
     ctx: JobContext,
@@ -138,7 +200,10 @@ pub(crate) async fn execute_chained(
 /// trace per attempt with no code of their own).
 fn attempt_span(env: &Env, ctx: &JobContext) -> tracing::Span {
     let job = ctx.job();
+    // A root span: an attempt may begin inside the previous one's handler task (whose
+    // span is current there), and is not part of it.
     tracing::info_span!(
+        parent: None,
         "leasehold.attempt",
         job.id = job.id.0,
         job.kind = %job.kind,
@@ -157,36 +222,40 @@ async fn attempt_once(
     ran: impl FnOnce(),
     chain: bool,
 ) -> (Ended, Successor) {
-    let span = attempt_span(&env, &ctx);
-    let ended = attempt_in_span(env, ctx, ran, chain)
+    finish_attempt(begin(env, ctx, None), ran, chain).await
+}
+
+async fn finish_attempt(begun: Begun, ran: impl FnOnce(), chain: bool) -> (Ended, Successor) {
+    let span = begun.span.clone();
+    let ended = finish_in_span(begun, ran, chain)
         .instrument(span.clone())
         .await;
     span.record("outcome", tracing::field::debug(&ended.0));
     ended
 }
 
-async fn attempt_in_span(
-    env: Arc<Env>,
-    ctx: JobContext,
-    ran: impl FnOnce(),
-    chain: bool,
-) -> (Ended, Successor) {
-    let _held = HeldJob(&env);
+async fn finish_in_span(begun: Begun, ran: impl FnOnce(), chain: bool) -> (Ended, Successor) {
+    let Begun {
+        env,
+        ctx,
+        _held,
+        start,
+        ..
+    } = begun;
     let job = ctx.job();
     let meter = env.metrics.job(&job.queue, &job.kind);
-    if job.attempt == 1 {
-        if let Ok(waited) = (job.claimed_at - job.created_at).to_std() {
-            env.metrics.record_start(&meter, waited);
+    let attempt = match start {
+        Start::Not(instead) => instead,
+        Start::Refused(failed) => {
+            meter.ran_for(Duration::ZERO);
+            failed
         }
-    }
-    let attempt = match not_startable(&env, &ctx) {
-        Some(instead) => {
-            env.metrics.incr(|c| &c.not_started);
-            instead
-        }
-        None => {
-            let started = Instant::now();
-            let attempt = run_handler(&env, &ctx).await;
+        Start::Running {
+            task,
+            started,
+            max_run_time,
+        } => {
+            let attempt = watch_handler(&env, &ctx, task, started, max_run_time).await;
             meter.ran_for(started.elapsed());
             attempt
         }
@@ -249,43 +318,71 @@ fn not_startable(env: &Env, ctx: &JobContext) -> Option<Attempt> {
     }
 }
 
-async fn run_handler(env: &Env, ctx: &JobContext) -> Attempt {
+/// Spawn the handler's task where handlers run (or say why it cannot run).
+fn spawn_handler(
+    env: &Env,
+    ctx: &JobContext,
+    on_return: Option<Box<dyn FnOnce() + Send>>,
+) -> Start {
     let job = ctx.job();
     if let Some(reason) = &job.payload_error {
         env.metrics.incr(|c| &c.decode_failures);
-        return Attempt::Failed(Failure {
+        return Start::Refused(Attempt::Failed(Failure {
             reason: reason.clone(),
             permanent: true,
             retry_after: None,
-        });
+        }));
     }
     let Some(handler) = env.registry.get(&job.kind) else {
         // The claim filters on registered kinds, so this is a registry bug, not bad input.
-        return Attempt::Failed(Failure {
+        return Start::Refused(Attempt::Failed(Failure {
             reason: format!("no handler for kind {:?}", job.kind),
             permanent: true,
             retry_after: None,
-        });
+        }));
     };
     // The task checks the lease again when it first runs: the process may have been
     // stopped (SIGSTOP, a paused VM) between the check before it and now.
     let gate = ctx.clone();
     let call = handler.call(ctx.clone(), job.payload.clone());
-    let mut task = env.handlers.spawn(
+    let started = Instant::now();
+    let task = env.handlers.spawn(
         async move {
-            if !gate.lease_live() {
-                return Err(AttemptError::NotStarted);
+            let returned = if gate.lease_live() {
+                call.await
+            } else {
+                Err(AttemptError::NotStarted)
+            };
+            if let Some(on_return) = on_return {
+                on_return();
             }
-            call.await
+            returned
         }
         .in_current_span(),
     );
-    let token = ctx.token();
     let max_run_time = handler
         .policy()
         .max_run_time
         .unwrap_or(env.config.max_run_time);
-    let run_deadline = tokio::time::sleep(max_run_time);
+    Start::Running {
+        task,
+        started,
+        max_run_time,
+    }
+}
+
+/// Wait for the handler's task (spawned at `started`), stopping it when its run time,
+/// its lease, an operator or the shutdown says so.
+async fn watch_handler(
+    env: &Env,
+    ctx: &JobContext,
+    mut task: JoinHandle<std::result::Result<serde_json::Value, AttemptError>>,
+    started: Instant,
+    max_run_time: Duration,
+) -> Attempt {
+    let job = ctx.job();
+    let token = ctx.token();
+    let run_deadline = tokio::time::sleep_until((started + max_run_time).into());
     tokio::pin!(run_deadline);
     let lease = lease_watch(ctx);
     tokio::pin!(lease);

@@ -278,3 +278,86 @@ fn a_slow_keys_successor_is_not_chained_to_wait_for_a_busy_slot() {
         assert_eq!(log.len(), n as usize);
     }))
 }
+
+/// How many handlers ran at once, at most (by their recorded start and end).
+fn most_at_once(log: &[scripted::Exec]) -> usize {
+    log.iter()
+        .map(|a| {
+            log.iter()
+                .filter(|b| b.start <= a.start && b.end.is_none_or(|end| a.start < end))
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Three slots, handlers on three threads of their own, 600 short jobs claimed ahead.
+/// A handler's task that returns starts the next waiting job itself, so here slots are
+/// handed on from several threads at once, beside the claimer: never more handlers run
+/// than slots, each job runs once, and a shutdown in the middle leaves every job done
+/// (having run once) or pending (having never run), none running.
+#[test]
+fn slots_handed_on_by_returning_handlers_on_many_threads_stay_within_the_slots() {
+    run_in_system(within(90, "hand-on test", async {
+        let db = TestDb::with_options("rt_ahead_hand_on", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let ids = db
+            .store
+            .enqueue_many(
+                (0..600)
+                    .map(|i| scripted(work(&format!("j{i}"), 2 + i % 3)))
+                    .collect(),
+            )
+            .await
+            .unwrap();
+        let mut config = config_with_lease(&db.schema, Duration::from_secs(5));
+        config.concurrency = 3;
+        config.handler_threads = Some(3);
+        config.claim_ahead_window = None;
+        let a = Scheduler::builder(db.pool.clone(), config)
+            .register(h.clone())
+            .start()
+            .await
+            .unwrap();
+        wait_until(30, "half of the jobs to run", || async {
+            h.log().len() >= ids.len() / 2
+        })
+        .await;
+        let report = a.shutdown().await.unwrap();
+        assert_eq!((report.metrics.ready, report.metrics.in_flight), (0, 0));
+        assert!(
+            report.metrics.counters.claimed_ahead > 0,
+            "{:?}",
+            report.metrics.counters
+        );
+
+        let log = h.log();
+        assert!(
+            log.iter().all(|e| e.end.is_some()),
+            "a handler outlived the shutdown"
+        );
+        let most = most_at_once(&log);
+        assert!(most <= 3, "{most} handlers ran at once on 3 slots");
+        let (mut done, mut pending) = (0, 0);
+        for id in &ids {
+            let job = db.store.job(*id).await.unwrap();
+            let runs = h.runs_of(*id).len();
+            match job.state {
+                JobState::Done => {
+                    assert_eq!(runs, 1, "a done job ran {runs} times: {job:?}");
+                    done += 1;
+                }
+                JobState::Pending => {
+                    assert_eq!((runs, job.attempts), (0, 0), "{job:?}");
+                    pending += 1;
+                }
+                other => panic!("job {id} left {other:?} by the shutdown: {job:?}"),
+            }
+        }
+        assert!(
+            done >= ids.len() / 2 && pending > 0,
+            "{done} done, {pending} pending"
+        );
+        db.drop().await;
+    }))
+}

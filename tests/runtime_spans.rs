@@ -1,6 +1,8 @@
 //! Each attempt runs inside a `leasehold.attempt` span carrying the job's identity, and
 //! what the handler logs is inside it: a tracing-opentelemetry user gets one trace per
-//! attempt with no code of their own. Asserted on what a subscriber actually received.
+//! attempt with no code of their own. Asserted on what a subscriber actually received,
+//! also for jobs that start in the previous job's handler task (claimed ahead, at
+//! concurrency 1): each is its own root span, not nested in the one before.
 
 mod common;
 #[path = "common/worker.rs"]
@@ -32,6 +34,11 @@ impl Visit for Fields {
     }
 }
 
+/// The field under which the recorder notes a span's parent (by name), if it has one.
+const PARENT: &str = "(parent)";
+/// The field under which the recorder notes a span's id, to find it again on a record.
+const SPAN_ID: &str = "(id)";
+
 /// A span's name and its recorded fields.
 type SpanRecord = (String, HashMap<String, String>);
 
@@ -50,6 +57,10 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Recorder {
         let mut f = Fields::default();
         attrs.record(&mut f);
         if let Some(span) = ctx.span(id) {
+            if let Some(parent) = span.parent() {
+                f.0.insert(PARENT.into(), parent.name().to_string());
+            }
+            f.0.insert(SPAN_ID.into(), id.into_u64().to_string());
             span.extensions_mut().insert(f.0.clone());
         }
         self.0
@@ -59,15 +70,17 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Recorder {
             .push((attrs.metadata().name().to_string(), f.0));
     }
 
-    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+    fn on_record(&self, id: &Id, values: &Record<'_>, _: Context<'_, S>) {
         let mut f = Fields::default();
         values.record(&mut f);
-        if let Some(span) = ctx.span(id) {
-            let name = span.name().to_string();
-            let mut spans = self.0.spans.lock().unwrap();
-            if let Some(entry) = spans.iter_mut().rev().find(|(n, _)| *n == name) {
-                entry.1.extend(f.0);
-            }
+        let id = id.into_u64().to_string();
+        let mut spans = self.0.spans.lock().unwrap();
+        if let Some(entry) = spans
+            .iter_mut()
+            .rev()
+            .find(|(_, fields)| fields.get(SPAN_ID) == Some(&id))
+        {
+            entry.1.extend(f.0);
         }
     }
 
@@ -83,6 +96,9 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Recorder {
         }
     }
 }
+
+/// Unkeyed jobs enqueued beside the keyed one.
+const UNKEYED: usize = 5;
 
 struct Talks;
 
@@ -106,21 +122,29 @@ fn each_attempt_runs_in_a_span_with_the_jobs_identity_and_the_handler_inside_it(
         .expect("this test binary's only subscriber");
     run_in_system(within(60, "span test", async move {
         let db = TestDb::with_options("rt_spans", StoreOptions::default(), POOL).await;
-        let scheduler = Scheduler::builder(db.pool.clone(), fast_config(&db.schema))
+        // Enqueued before the start, at concurrency 1: the first claim takes them all
+        // (claim-ahead, whatever the pace), so each unkeyed job after the first starts in the task of the
+        // handler before it, as that handler returns.
+        let talk = || leasehold::NewJob::new("talks", &()).unwrap();
+        let mut jobs = vec![talk().with_key("acct-9")];
+        jobs.extend((0..UNKEYED).map(|_| talk()));
+        let ids = db.store.enqueue_many(jobs).await.unwrap();
+        let id = ids[0];
+        let mut config = fast_config(&db.schema);
+        config.concurrency = 1;
+        config.claim_ahead_window = None;
+        let scheduler = Scheduler::builder(db.pool.clone(), config)
             .register(Talks)
             .start()
             .await
             .unwrap();
-        let id = scheduler
-            .enqueue_job(
-                leasehold::NewJob::new("talks", &())
-                    .unwrap()
-                    .with_key("acct-9"),
-            )
-            .await
-            .unwrap();
-        wait_until(10, "the job to finish", || async {
-            db.store.job(id).await.unwrap().state == JobState::Done
+        wait_until(10, "the jobs to finish", || async {
+            for id in &ids {
+                if db.store.job(*id).await.unwrap().state != JobState::Done {
+                    return false;
+                }
+            }
+            true
         })
         .await;
         scheduler.shutdown().await.unwrap();
@@ -156,12 +180,32 @@ fn each_attempt_runs_in_a_span_with_the_jobs_identity_and_the_handler_inside_it(
                 .any(|(n, _)| n.starts_with("leasehold.complete")),
             "the completion has its span"
         );
-        let scopes = seen.handler_scopes.lock().unwrap().clone();
-        assert_eq!(scopes.len(), 1, "{scopes:?}");
-        assert!(
-            scopes[0].iter().any(|s| s == "leasehold.attempt"),
-            "the handler's log is inside the attempt span: {scopes:?}"
+        let attempts: Vec<_> = spans
+            .iter()
+            .filter(|(n, _)| n == "leasehold.attempt")
+            .collect();
+        assert_eq!(
+            attempts.len(),
+            ids.len(),
+            "one span per attempt: {attempts:?}"
         );
+        for (_, f) in &attempts {
+            assert_eq!(f.get(PARENT), None, "an attempt's span is a root: {f:?}");
+            assert_eq!(
+                f.get("outcome").map(String::as_str),
+                Some("Completed"),
+                "{f:?}"
+            );
+        }
+        let scopes = seen.handler_scopes.lock().unwrap().clone();
+        assert_eq!(scopes.len(), ids.len(), "{scopes:?}");
+        for scope in &scopes {
+            assert_eq!(
+                scope.iter().filter(|s| *s == "leasehold.attempt").count(),
+                1,
+                "each handler's log is inside its own attempt's span, and only that: {scope:?}"
+            );
+        }
         db.drop().await;
     }))
 }

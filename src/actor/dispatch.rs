@@ -10,10 +10,13 @@
 //! waited longer than a lease is given back (released, its attempt not counted), so a
 //! busy process does not hold work that others could run.
 //!
-//! Not an actor: functions over the scheduler's shared state, called from the claimer,
-//! the sequencers and finishing executions, all on the host's arbiter.
+//! Not an actor: functions over the scheduler's shared state, called from the claimer and
+//! the sequencers on the scheduler's thread, and from handlers' tasks as they return, on
+//! whichever thread runs handlers (so the queue and the slots are behind locks and
+//! atomics, and whatever must run on the scheduler's thread is sent there).
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 use super::sequencer::{RunJob, SequencerHandle};
 use crate::context::JobContext;
 use crate::env::Env;
-use crate::executor::{execute_then, unhold};
+use crate::executor::{begin, finish, unhold};
 use crate::CancelReason;
 
 /// Claimed jobs waiting for a slot, oldest first.
@@ -118,25 +121,27 @@ pub(crate) fn start_ready(env: &Arc<Env>) -> usize {
     started
 }
 
-/// Run a claimed job that holds a slot (and its bytes): an unkeyed one as a task, a
-/// keyed one through its key's sequencer.
+/// Run a claimed job that holds a slot (and its bytes): an unkeyed one by starting its
+/// handler here and watching it from the scheduler's thread, a keyed one through its
+/// key's sequencer. Callable from any thread: a handler's task that returns starts the
+/// next waiting job through it (see [`SlotHandOff`]).
 pub(crate) fn dispatch(env: &Arc<Env>, ctx: JobContext) {
     let job = ctx.job();
     match job.key.clone() {
         None => {
+            let slot = Arc::new(SlotHandOff {
+                env: env.clone(),
+                bytes: job.payload_bytes,
+                done: AtomicBool::new(false),
+            });
+            let on_return = {
+                let slot = slot.clone();
+                Box::new(move || slot.hand_on())
+            };
+            let begun = begin(env.clone(), ctx, Some(on_return));
             let env = env.clone();
-            let bytes = job.payload_bytes;
-            actix::spawn(async move {
-                let freed = env.clone();
-                execute_then(env.clone(), ctx, move || {
-                    // The handler returned: its slot serves the next waiting job at once,
-                    // while this one's completion is written.
-                    freed.slots.release_bytes(bytes);
-                    freed.slots.finishing();
-                    start_ready(&freed);
-                    freed.wake_claimer();
-                })
-                .await;
+            env.clone().home.spawn(async move {
+                finish(begun, move || slot.hand_on()).await;
                 if env.slots.finished() {
                     env.wake_claimer();
                 }
@@ -144,8 +149,42 @@ pub(crate) fn dispatch(env: &Arc<Env>, ctx: JobContext) {
         }
         Some(key) => {
             let queue = job.queue.clone();
-            SequencerHandle::deliver(env, (queue, key), RunJob(ctx))
+            let env = env.clone();
+            env.clone().home.call(move || {
+                SequencerHandle::deliver(&env, (queue, key), RunJob(ctx));
+            });
         }
+    }
+}
+
+/// An unkeyed job's slot (and its payload's bytes), handed on exactly once when its
+/// handler returns: by the handler's own task, the moment the handler's body returns,
+/// or else (a panic, an abort, a handler that never started) by the execution watching
+/// it.
+///
+/// Handed on from the handler's task, the next waiting job's handler starts right there,
+/// on the handler's thread: with handlers on the host's runtime, a job then follows the
+/// one before it with no hand-over between threads (the scheduler's thread learns of
+/// both endings meanwhile, and writes them). At concurrency 1 those two hand-overs per
+/// job (the handler's end to the scheduler's thread, the next start back) were most of
+/// a no-op job's time.
+pub(crate) struct SlotHandOff {
+    env: Arc<Env>,
+    bytes: i32,
+    done: AtomicBool,
+}
+
+impl SlotHandOff {
+    fn hand_on(&self) {
+        if self.done.swap(true, SeqCst) {
+            return;
+        }
+        // The handler returned: its slot serves the next waiting job at once, while this
+        // one's ending is written.
+        self.env.slots.release_bytes(self.bytes);
+        self.env.slots.finishing();
+        start_ready(&self.env);
+        self.env.wake_claimer();
     }
 }
 
@@ -241,7 +280,7 @@ pub(crate) fn release_ready(env: &Arc<Env>, which: GiveBack, reason: &'static st
 /// tracking are), then let the claimer look again.
 fn give_back(env: &Arc<Env>, jobs: Vec<JobContext>, reason: &'static str) {
     let env = env.clone();
-    actix::spawn(async move {
+    env.clone().home.spawn(async move {
         release_retrying(&env, &jobs, reason).await;
         for ctx in &jobs {
             env.slots.release_bytes(ctx.job().payload_bytes);

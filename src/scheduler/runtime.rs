@@ -45,7 +45,7 @@ use crate::actor::reaper::Reaper;
 use crate::actor::{stopped, Metered, Slots, Stop};
 use crate::config::Config;
 use crate::context::CancelReason;
-use crate::env::{Env, Handlers};
+use crate::env::{Env, Handlers, Home};
 use crate::error::{Error, Result};
 use crate::handler::{Registry, RetryDelay};
 use crate::job::OwnerId;
@@ -291,6 +291,7 @@ fn build(
         handler_store,
         host_store,
         handlers,
+        home: Home::here(),
         kinds: registry.kinds(),
         registry,
         owner: owner.clone(),
