@@ -169,11 +169,12 @@ pub struct Config {
     /// runtime that opened its connections).
     ///
     /// `Some(0)`: no thread of their own; handlers run on the scheduler's own thread,
-    /// beside its actors. Each job then starts and ends without being handed between
-    /// threads: for short handlers (milliseconds or less) that is most of a job's cost
-    /// in this process (no-op jobs at concurrency 1: about 1.7× the jobs per second of
-    /// the default, `bench -- --only peer`). The price: a handler that blocks or burns
-    /// CPU holds up the claims, completions and key order of every other job of this
+    /// beside its actors. It once made short handlers much faster (no-op jobs at
+    /// concurrency 1: about 1.7× the jobs per second of the default), when each job was
+    /// handed between threads twice; now, in every mode, a handler that returns starts
+    /// the next job waiting for a slot itself, on its own thread, and the two run within
+    /// a few percent of each other (`bench -- --only e2e`). Its price stays: a handler
+    /// that blocks or burns CPU holds up the claims, completions and key order of every other job of this
     /// scheduler (leases are renewed on another thread, so none is lost), and its use
     /// of the host's pools and clients crosses threads: a connection a handler opens
     /// belongs to the scheduler's thread. For the pool given to `Scheduler::builder`
@@ -181,8 +182,8 @@ pub struct Config {
     /// pool (or the process exits), so the host can go on using it; connections a
     /// handler opens in any other pool or client stop working at shutdown. With any
     /// `Some`, the job's context writes (effect ledger, progress) through a small pool
-    /// of the scheduler's own, closed with it. For short async handlers, such as
-    /// webhooks and ledger writes.
+    /// of the scheduler's own, closed with it. Kept for hosts that want every part of
+    /// the scheduler on one thread.
     pub handler_threads: Option<usize>,
     /// Connections of the scheduler's own pool that writes job endings (completions,
     /// failures, releases) and fetches a key's next job. Default 3.
