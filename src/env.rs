@@ -194,9 +194,7 @@ pub(crate) enum Handlers {
     /// A runtime's threads: the one the scheduler was started from (the host's), or a
     /// multi-thread runtime of the scheduler's own.
     Runtime(tokio::runtime::Handle),
-    /// The scheduler's own thread, beside its actors (`handler_threads = Some(0)`): a
-    /// job's start and its end are not handed between threads, which at concurrency 1
-    /// was most of a no-op job's time.
+    /// The scheduler's own thread, beside its actors (`handler_threads = Some(0)`).
     SchedulerThread,
 }
 

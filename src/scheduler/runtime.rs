@@ -15,8 +15,10 @@
 //! tokio runtime), so a handler uses the host's pool and clients on the runtime that
 //! made them; or, with `Config::handler_threads = Some(n)`, on a multi-thread runtime of
 //! the scheduler's own (CPU-heavy handlers then use every core and cannot stall the
-//! host); or, with `Some(0)`, on the scheduler's own thread beside its actors (fast
-//! handlers then start and end without a hand-over between threads).
+//! host); or, with `Some(0)`, on the scheduler's own thread beside its actors. Wherever
+//! they run, a handler that returns starts the next job waiting for a slot in its own
+//! task, and the scheduler's thread watches the attempt and writes its ending (see
+//! `actor::dispatch`).
 //!
 //! # Lifecycle
 //! `start` spawns the thread, builds the actors there and returns when they run. The
