@@ -109,6 +109,8 @@ pub(crate) struct Begun {
     env: Arc<Env>,
     ctx: JobContext,
     span: tracing::Span,
+    /// The job's kind's meter, looked up once per attempt.
+    meter: Arc<crate::metrics::JobMeter>,
     _held: HeldJob,
     start: Start,
 }
@@ -141,9 +143,9 @@ pub(crate) fn begin(
     let span = attempt_span(&env, &ctx);
     let held = HeldJob(env.clone());
     let job = ctx.job();
+    let meter = env.metrics.job(&job.queue, &job.kind);
     if job.attempt == 1 {
         if let Ok(waited) = (job.claimed_at - job.created_at).to_std() {
-            let meter = env.metrics.job(&job.queue, &job.kind);
             env.metrics.record_start(&meter, waited);
         }
     }
@@ -158,6 +160,7 @@ pub(crate) fn begin(
         env,
         ctx,
         span,
+        meter,
         _held: held,
         start,
     }
@@ -238,12 +241,12 @@ async fn finish_in_span(begun: Begun, ran: impl FnOnce(), chain: bool) -> (Ended
     let Begun {
         env,
         ctx,
+        meter,
         _held,
         start,
         ..
     } = begun;
     let job = ctx.job();
-    let meter = env.metrics.job(&job.queue, &job.kind);
     let attempt = match start {
         Start::Not(instead) => instead,
         Start::Refused(failed) => {

@@ -20,7 +20,7 @@ pub use histogram::{HistogramSnapshot, LatencySummary};
 pub use jobs::{JobSnapshot, Outcome};
 
 use histogram::Histogram;
-use jobs::JobMeter;
+pub(crate) use jobs::JobMeter;
 
 /// Counts for one actor kind (all sequencers share one meter).
 #[derive(Debug, Default)]
