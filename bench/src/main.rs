@@ -7,7 +7,8 @@
 //!
 //! Other flags: `--runs N` (default 3; every figure is the median of N runs, printed
 //! with the spread), `--only ceiling,e2e,pooler,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,dashboard,peer`
-//! (`micro`: a statement-cost diagnostic; `peer`: graphile_worker, the fastest peer, with its
+//! (`micro`: a statement-cost diagnostic; `trips`: what sending the raw ceiling's claim and
+//! completion as one statement instead of two buys, a diagnostic; `peer`: graphile_worker, the fastest peer, with its
 //! documented throughput recipe, each figure right after leasehold's matching run — unkeyed
 //! at concurrency 1 and 32, keyed, idle latency — see `bench/src/peer.rs`; `pooler`:
 //! through a PgBouncer in transaction mode that it starts, see `bench/src/pooler.rs`),
@@ -162,6 +163,12 @@ async fn main() {
         .is_some_and(|o| o.iter().any(|x| x == "micro"))
     {
         run.micro().await;
+    }
+    if a.only
+        .as_ref()
+        .is_some_and(|o| o.iter().any(|x| x == "trips"))
+    {
+        run.trips().await;
     }
     let unkeyed_32 = run.ceiling_and_e2e(want("ceiling"), want("e2e")).await;
     if want("pooler") {

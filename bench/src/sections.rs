@@ -6,7 +6,7 @@ use sqlx::PgPool;
 
 use super::peer::{self, Peer};
 use super::report::{self, Goal, Row, Stat};
-use super::throughput::EnqueueWay;
+use super::throughput::{EnqueueWay, Trips};
 use super::{footprint, handlers, latency, notify, pooler, setup, throughput};
 
 /// Workload sizes: the for the default run, smaller for `--quick`.
@@ -312,6 +312,57 @@ impl Run {
             Stat::of(raw),
             "rows/s",
         ));
+    }
+
+    /// The round-trip lever, measured on raw SQL: the ceiling's loop as two statements
+    /// (claim, then complete) and as one (complete the last loop's jobs and claim the
+    /// next), interleaved run by run at 1, 4 and the pool's connections. What one round
+    /// trip could buy leasehold is at most what it buys here. A diagnostic
+    /// (`--only trips`), not in the default run.
+    pub async fn trips(&mut self) {
+        let (runs, n) = (self.runs, self.sizes.ceiling_jobs);
+        let mut conns = vec![1usize, 4, self.pool_conns];
+        conns.dedup();
+        let section = "the round-trip lever on raw SQL: claim 100 + complete 100 as two statements, or as one";
+        for c in conns {
+            let (mut two, mut one, mut deadlocks) = (Vec::new(), Vec::new(), Vec::new());
+            for r in 0..runs {
+                let (t, _) =
+                    throughput::raw_ceiling(&self.store, &self.opts, c, n, Trips::Two).await;
+                let (o, d) =
+                    throughput::raw_ceiling(&self.store, &self.opts, c, n, Trips::One).await;
+                say!(
+                    "run {}/{runs}: raw, {c} connections: two statements {} jobs/s, one {} ({d} deadlocks, sent again)",
+                    r + 1,
+                    report::num(t),
+                    report::num(o)
+                );
+                two.push(t);
+                one.push(o);
+                deadlocks.push(d as f64);
+            }
+            self.rows.push(
+                Row::new(
+                    section,
+                    format!("{c} connections, one statement per loop"),
+                    Stat::of(one.clone()),
+                    "jobs/s",
+                )
+                .ratio(paired_ratio(&one, &two), "two statements"),
+            );
+            self.rows.push(Row::new(
+                section,
+                format!("{c} connections, one statement per loop: deadlocks"),
+                Stat::of(deadlocks),
+                "statements",
+            ));
+            self.rows.push(Row::new(
+                section,
+                format!("{c} connections, two statements per loop"),
+                Stat::of(two),
+                "jobs/s",
+            ));
+        }
     }
 
     /// Throughput on a never-analyzed table (fresh schema, bulk load, 10^5 delayed and

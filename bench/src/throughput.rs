@@ -38,9 +38,61 @@ SET state = 'done', finished_at = now(), lease_until = NULL
 FROM unnest($1::int8[], $2::int8[]) AS t(id, generation)
 WHERE j.id = t.id AND j.generation = t.generation AND j.owner = $3 AND j.state = 'running'";
 
+/// The same two statements as one: the previous loop's jobs completed and the next ones
+/// claimed in a single round trip (and a single commit). Completed rows are `running`,
+/// claimed ones `pending`, so the two UPDATEs never touch the same row. Rows with a
+/// generation are the claimed jobs; the one row without counts the completed ones.
+const RAW_COMPLETE_AND_CLAIM: &str = "WITH done AS (
+    UPDATE bench.jobs j
+    SET state = 'done', finished_at = now(), lease_until = NULL
+    FROM unnest($4::int8[], $5::int8[]) AS t(id, generation)
+    WHERE j.id = t.id AND j.generation = t.generation AND j.owner = $3 AND j.state = 'running'
+    RETURNING j.id
+), cand AS (
+    SELECT id FROM bench.jobs
+    WHERE state = 'pending' AND available_at <= now() AND queue = $1
+    ORDER BY priority, available_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE bench.jobs j
+    SET state = 'running', owner = $3, generation = j.generation + 1, attempts = j.attempts + 1,
+        claimed_at = now(), lease_until = now() + interval '30 seconds'
+    FROM cand WHERE j.id = cand.id
+    RETURNING j.id, j.generation, j.payload
+)
+SELECT id, generation, payload FROM claimed
+UNION ALL
+SELECT count(*), NULL, NULL FROM done";
+
+/// A row of [`RAW_COMPLETE_AND_CLAIM`]: a claimed job (id, generation, payload), or the
+/// count of completed ones (count, NULL, NULL).
+type OneTripRow = (i64, Option<i64>, Option<serde_json::Value>);
+
+/// How the raw ceiling's loop talks to the database.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Trips {
+    /// Claim, then complete: two statements (two round trips, two commits) per loop.
+    Two,
+    /// Complete the previous loop's jobs and claim the next in one statement.
+    One,
+}
+
 /// `conns` connections, each looping: claim 100 with one SKIP LOCKED statement, complete
 /// them with one fenced UPDATE. Jobs/s over `n` preloaded jobs.
 pub async fn ceiling(store: &Store, opts: &PgConnectOptions, conns: usize, n: u64) -> f64 {
+    raw_ceiling(store, opts, conns, n, Trips::Two).await.0
+}
+
+/// [`ceiling`], with the loop's statements sent as `trips` says: jobs/s, and the
+/// statements PostgreSQL ended as deadlocks (sent again).
+pub async fn raw_ceiling(
+    store: &Store,
+    opts: &PgConnectOptions,
+    conns: usize,
+    n: u64,
+    trips: Trips,
+) -> (f64, u64) {
     setup::reset(store).await;
     setup::raw_copy(store, "noop", n).await;
     setup::analyze(store).await;
@@ -48,37 +100,19 @@ pub async fn ceiling(store: &Store, opts: &PgConnectOptions, conns: usize, n: u6
     for _ in 0..conns {
         connections.push(setup::connect(opts).await);
     }
+    let deadlocks = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
     let workers: Vec<_> = connections
         .into_iter()
         .enumerate()
         .map(|(w, mut conn)| {
+            let deadlocks = deadlocks.clone();
             tokio::spawn(async move {
                 let owner = format!("raw:{w}");
-                let mut done = 0u64;
-                loop {
-                    let rows: Vec<(i64, i64, serde_json::Value)> = sqlx::query_as(RAW_CLAIM)
-                        .bind(QUEUE)
-                        .bind(100i64)
-                        .bind(&owner)
-                        .fetch_all(&mut conn)
-                        .await
-                        .expect("raw claim");
-                    if rows.is_empty() {
-                        break;
-                    }
-                    let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
-                    let gens: Vec<i64> = rows.iter().map(|r| r.1).collect();
-                    let r = sqlx::query(RAW_COMPLETE)
-                        .bind(&ids)
-                        .bind(&gens)
-                        .bind(&owner)
-                        .execute(&mut conn)
-                        .await
-                        .expect("raw complete");
-                    assert_eq!(r.rows_affected(), rows.len() as u64, "raw fence refused");
-                    done += rows.len() as u64;
-                }
+                let done = match trips {
+                    Trips::Two => two_trip_loop(&mut conn, &owner).await,
+                    Trips::One => one_trip_loop(&mut conn, &owner, &deadlocks).await,
+                };
                 conn.close().await.ok();
                 done
             })
@@ -90,7 +124,75 @@ pub async fn ceiling(store: &Store, opts: &PgConnectOptions, conns: usize, n: u6
     }
     let took = t0.elapsed().as_secs_f64();
     assert_eq!(total, n, "the raw ceiling must process every job");
-    n as f64 / took
+    (n as f64 / took, deadlocks.load(Relaxed))
+}
+
+/// The loop of [`Trips::Two`]: claim, complete, again. Jobs completed.
+async fn two_trip_loop(conn: &mut sqlx::PgConnection, owner: &str) -> u64 {
+    let mut done = 0u64;
+    loop {
+        let rows: Vec<(i64, i64, serde_json::Value)> = sqlx::query_as(RAW_CLAIM)
+            .bind(QUEUE)
+            .bind(100i64)
+            .bind(owner)
+            .fetch_all(&mut *conn)
+            .await
+            .expect("raw claim");
+        if rows.is_empty() {
+            return done;
+        }
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        let gens: Vec<i64> = rows.iter().map(|r| r.1).collect();
+        let r = sqlx::query(RAW_COMPLETE)
+            .bind(&ids)
+            .bind(&gens)
+            .bind(owner)
+            .execute(&mut *conn)
+            .await
+            .expect("raw complete");
+        assert_eq!(r.rows_affected(), rows.len() as u64, "raw fence refused");
+        done += rows.len() as u64;
+    }
+}
+
+/// The loop of [`Trips::One`]: each statement completes what the last one claimed.
+/// Jobs completed. A statement PostgreSQL ended as a deadlock is counted in `deadlocks`
+/// and sent again. Each statement holds the rows it completes and the rows it claims at
+/// once; a SKIP LOCKED scan keeps the lock on a row it took and then found already
+/// claimed by another (its newer version failed the recheck) until it commits, and can
+/// still wait while following a row's newer versions; so two such statements can each
+/// wait for the other, which two separate statements never do.
+async fn one_trip_loop(conn: &mut sqlx::PgConnection, owner: &str, deadlocks: &AtomicU64) -> u64 {
+    let (mut ids, mut gens): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
+    let mut done = 0u64;
+    loop {
+        let sent: sqlx::Result<Vec<OneTripRow>> = sqlx::query_as(RAW_COMPLETE_AND_CLAIM)
+            .bind(QUEUE)
+            .bind(100i64)
+            .bind(owner)
+            .bind(&ids)
+            .bind(&gens)
+            .fetch_all(&mut *conn)
+            .await;
+        let rows = match sent {
+            // The statement rolled back whole: send it again with the same jobs.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("40P01") => {
+                deadlocks.fetch_add(1, Relaxed);
+                continue;
+            }
+            r => r.expect("raw complete and claim"),
+        };
+        let completed = rows
+            .iter()
+            .find(|r| r.1.is_none())
+            .map_or(0, |r| r.0 as u64);
+        assert_eq!(completed, ids.len() as u64, "raw fence refused");
+        done += completed;
+        (ids, gens) = rows.iter().filter_map(|r| r.1.map(|g| (r.0, g))).unzip();
+        if ids.is_empty() {
+            return done;
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------
