@@ -161,7 +161,7 @@ async fn two_trip_loop(conn: &mut sqlx::PgConnection, owner: &str) -> u64 {
 /// once; a SKIP LOCKED scan keeps the lock on a row it took and then found already
 /// claimed by another (its newer version failed the recheck) until it commits, and can
 /// still wait while following a row's newer versions; so two such statements can each
-/// wait for the other, which two separate statements never do.
+/// wait for the other (the two-statement loop, which stops on any error, met none).
 async fn one_trip_loop(conn: &mut sqlx::PgConnection, owner: &str, deadlocks: &AtomicU64) -> u64 {
     let (mut ids, mut gens): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
     let mut done = 0u64;
