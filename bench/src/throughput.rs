@@ -157,11 +157,11 @@ async fn two_trip_loop(conn: &mut sqlx::PgConnection, owner: &str) -> u64 {
 
 /// The loop of [`Trips::One`]: each statement completes what the last one claimed.
 /// Jobs completed. A statement PostgreSQL ended as a deadlock is counted in `deadlocks`
-/// and sent again. Each statement holds the rows it completes and the rows it claims at
-/// once; a SKIP LOCKED scan keeps the lock on a row it took and then found already
-/// claimed by another (its newer version failed the recheck) until it commits, and can
-/// still wait while following a row's newer versions; so two such statements can each
-/// wait for the other (the two-statement loop, which stops on any error, met none).
+/// and sent again. A SKIP LOCKED scan keeps the lock on a row it took and then found
+/// already claimed by another (its newer version failed the recheck) until it commits;
+/// here that transaction then waits, holding it, to complete its own rows, which another
+/// such scan may hold the same way: two statements can each wait for the other. (The
+/// two-statement loop, which stops on any error, met no deadlock.)
 async fn one_trip_loop(conn: &mut sqlx::PgConnection, owner: &str, deadlocks: &AtomicU64) -> u64 {
     let (mut ids, mut gens): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
     let mut done = 0u64;
