@@ -322,6 +322,7 @@ impl Run {
     pub async fn trips(&mut self) {
         let (runs, n) = (self.runs, self.sizes.ceiling_jobs);
         let mut conns = vec![1usize, 4, self.pool_conns];
+        conns.sort();
         conns.dedup();
         let section = "the round-trip lever on raw SQL: claim 100 + complete 100 as two statements, or as one";
         for c in conns {
