@@ -174,13 +174,13 @@ pub struct Config {
     /// handed between threads twice; now, in every mode, a handler that returns starts
     /// the next job waiting for a slot itself, on its own thread, and the two run within
     /// a few percent of each other (`bench -- --only e2e`). Its price stays: a handler
-    /// that blocks or burns CPU holds up the claims, completions and key order of every other job of this
-    /// scheduler (leases are renewed on another thread, so none is lost), and its use
-    /// of the host's pools and clients crosses threads: a connection a handler opens
-    /// belongs to the scheduler's thread. For the pool given to `Scheduler::builder`
-    /// that thread therefore outlives the shutdown, idle, until the host closes that
-    /// pool (or the process exits), so the host can go on using it; connections a
-    /// handler opens in any other pool or client stop working at shutdown. With any
+    /// that blocks or burns CPU holds up the claims, completions and key order of every
+    /// other job of this scheduler (leases are renewed on another thread, so none is
+    /// lost), and its use of the host's pools and clients crosses threads: a connection
+    /// a handler opens belongs to the scheduler's thread. For the pool given to
+    /// `Scheduler::builder` that thread therefore outlives the shutdown, idle, until the
+    /// host closes that pool (or the process exits), so the host can go on using it;
+    /// connections a handler opens in any other pool or client stop working at shutdown. With any
     /// `Some`, the job's context writes (effect ledger, progress) through a small pool
     /// of the scheduler's own, closed with it. Kept for hosts that want every part of
     /// the scheduler on one thread.

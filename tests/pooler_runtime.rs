@@ -353,8 +353,8 @@ fn wake_ups_come_through_the_listen_url_or_from_polling_alone() {
         let mut config = pooled_config(&own, true);
         config.poll_interval_max = Duration::from_secs(10);
         let (s, mut rx) = probe(pooled_pool(&bouncer, &own, 4).await, config).await;
-        wait_until(10, "the listener to connect", || async {
-            own.backends_named("leasehold-listener").await == 1
+        wait_until(10, "the listener to listen", || async {
+            own.listening_backends_named("leasehold-listener").await == 1
         })
         .await;
         let listened = idle_latencies(

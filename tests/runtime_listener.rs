@@ -53,22 +53,12 @@ async fn wait_started(own: &OwnDb, id: JobId, secs: u64) -> f64 {
     .await
 }
 
-/// The listener's connection is up and its LISTEN has run (its backend idle after it).
-/// Connected is not enough: a kill between the connect and the LISTEN fails the first
-/// connection, and its retry is not a reconnect (CI saw round 1 wait for one, 1 run in 10).
+/// The listener's connection is up and its LISTEN has run: see
+/// `OwnDb::listening_backends_named` (CI saw round 1 wait for a reconnect that a kill
+/// before the LISTEN never made, 1 run in 10).
 async fn listener_connected(own: &OwnDb) {
     wait_until(10, "the listener to listen", || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 \
-             AND application_name LIKE $2 || '%' AND state = 'idle' \
-             AND position('LISTEN' in query) > 0",
-        )
-        .bind(&own.database)
-        .bind(LISTENER)
-        .fetch_one(&own.db.pool)
-        .await
-        .unwrap()
-            == 1
+        own.listening_backends_named(LISTENER).await == 1
     })
     .await;
 }

@@ -471,6 +471,22 @@ impl OwnDb {
         .unwrap()
     }
 
+    /// Backends named `name…` whose LISTEN has run (idle after it). A listener that is
+    /// only connected may not listen yet: a NOTIFY sent then is missed, and a kill then
+    /// fails its first connection, whose retry is not counted as a reconnect.
+    pub async fn listening_backends_named(&self, name: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 \
+             AND application_name LIKE $2 || '%' AND state = 'idle' \
+             AND position('LISTEN' in query) > 0",
+        )
+        .bind(&self.database)
+        .bind(name)
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap()
+    }
+
     /// Backends of this database that a scheduler opened itself (`leasehold-*`).
     pub async fn scheduler_backends(&self) -> i64 {
         sqlx::query_scalar(
