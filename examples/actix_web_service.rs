@@ -36,6 +36,9 @@
 //!
 //! Needs a local PostgreSQL (DATABASE_URL, or PGHOST/PGPORT/PGUSER; default
 //! postgres://root@127.0.0.1:5432/postgres). It creates the database `leasehold_demo`.
+//! The scheduler's store settings behind a transaction-mode pooler come from
+//! `LEASEHOLD_STORE__TRANSACTION_POOLER` and `LEASEHOLD_LISTEN_URL` (`shared/store_env.rs`;
+//! the example's own order queries are not written for such a pooler).
 
 use std::error::Error;
 use std::net::SocketAddr;
@@ -45,7 +48,6 @@ use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use leasehold::web::{dashboard, metrics_route_with};
 use leasehold::{
     CompleteOutcome, Config, Handler, JobContext, JobError, JobId, NewJob, Scheduler, Store,
-    StoreOptions,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -56,6 +58,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 mod env;
 #[path = "shared/log.rs"]
 mod log;
+#[path = "shared/store_env.rs"]
+mod store_env;
 
 /// Orders above this quantity are refused (after the writes, to show the rollback).
 const MAX_QTY: i32 = 100;
@@ -242,26 +246,9 @@ async fn get_order(state: web::Data<AppState>, id: web::Path<i64>) -> HttpRespon
 // Setup and the main loop.
 // ---------------------------------------------------------------------------------
 
-fn connect_options() -> Result<PgConnectOptions, Box<dyn Error>> {
-    if let Ok(url) = std::env::var("DATABASE_URL") {
-        return Ok(url.parse()?);
-    }
-    let host = std::env::var("PGHOST").unwrap_or_else(|_| "127.0.0.1".into());
-    let port = std::env::var("PGPORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(5432);
-    let user = std::env::var("PGUSER").unwrap_or_else(|_| "root".into());
-    Ok(PgConnectOptions::new()
-        .host(&host)
-        .port(port)
-        .username(&user)
-        .database("postgres"))
-}
-
 /// Create `leasehold_demo` if missing; options for it.
 async fn database() -> Result<PgConnectOptions, Box<dyn Error>> {
-    let server = connect_options()?;
+    let server = store_env::connect_options()?;
     let mut admin = server.connect().await?;
     let exists: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'leasehold_demo')",
@@ -350,12 +337,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let pool = open_pool(&options, "leasehold-web-example", 8).await?;
     let web_pool = open_pool(&options, "leasehold-web-example-http", 8).await?;
     let orders = create_orders_table(&pool, &shop).await?;
-    let config = Config {
+    let mut config = Config {
         schema: jobs.clone(),
         shutdown_grace: Duration::from_secs(5),
         ..Config::default()
     };
-    let scheduler = Scheduler::builder(pool.clone(), config)
+    store_env::store_settings(&mut config)?;
+    let scheduler = Scheduler::builder(pool.clone(), config.clone())
         .register(FulfilOrder {
             pool: pool.clone(),
             orders: orders.clone(),
@@ -366,7 +354,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let state = web::Data::new(AppState {
         pool: web_pool.clone(),
         scheduler: scheduler.clone(),
-        jobs: Store::new(web_pool.clone(), &jobs, StoreOptions::default())?,
+        jobs: Store::for_config(web_pool.clone(), &config)?,
         orders: orders.clone(),
     });
     let server = HttpServer::new(move || {

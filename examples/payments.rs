@@ -6,7 +6,9 @@
 //!
 //! Needs a local PostgreSQL (DATABASE_URL, or PGHOST/PGPORT/PGUSER; default
 //! postgres://root@127.0.0.1:5432/postgres). It creates the database `leasehold_demo` if
-//! missing, works in a schema of its own per run, and drops the schema at the end.
+//! missing, works in a schema of its own per run, and drops the schema at the end. The
+//! schedulers' store settings come from `LEASEHOLD_STORE__TRANSACTION_POOLER` and
+//! `LEASEHOLD_LISTEN_URL` where set (`shared/store_env.rs`).
 //!
 //! # What happens
 //! A payment gateway simulator (`leasehold::testkit::gateway`) listens on loopback. It
@@ -44,6 +46,8 @@ mod log;
 mod report;
 #[path = "payments/run.rs"]
 mod run;
+#[path = "shared/store_env.rs"]
+mod store_env;
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -73,23 +77,6 @@ const SIMULATED_CRASH: &str = "simulated crash";
 // ---------------------------------------------------------------------------------
 // Setup.
 // ---------------------------------------------------------------------------------
-
-fn connect_options() -> Result<PgConnectOptions, Box<dyn Error>> {
-    if let Ok(url) = std::env::var("DATABASE_URL") {
-        return Ok(url.parse()?);
-    }
-    let host = std::env::var("PGHOST").unwrap_or_else(|_| "127.0.0.1".into());
-    let port = std::env::var("PGPORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(5432);
-    let user = std::env::var("PGUSER").unwrap_or_else(|_| "root".into());
-    Ok(PgConnectOptions::new()
-        .host(&host)
-        .port(port)
-        .username(&user)
-        .database("postgres"))
-}
 
 /// Connect to the server's maintenance database, create `leasehold_demo` if missing,
 /// and return options for it.
@@ -137,7 +124,7 @@ async fn main() -> Result<ExitCode, Box<dyn Error>> {
         std::io::stdout,
     );
     quiet_simulated_crashes();
-    let options = demo_database(connect_options()?).await?;
+    let options = demo_database(store_env::connect_options()?).await?;
     print_plan();
 
     let leasehold = run(&options, KeyScheme::Stable).await?;

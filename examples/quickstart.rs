@@ -2,8 +2,13 @@
 //!
 //!     cargo run --example quickstart
 //!
-//! Needs a local PostgreSQL (DATABASE_URL, default postgres://root@127.0.0.1:5432/postgres);
-//! it creates the database `leasehold_quickstart` and works in its own schema.
+//! Needs a PostgreSQL (DATABASE_URL, or PGHOST/PGPORT/PGUSER; default
+//! postgres://root@127.0.0.1:5432/postgres); it creates the database
+//! `leasehold_quickstart` on that server and works in its own schema. Behind a
+//! transaction-mode pooler (PgBouncer `pool_mode = transaction`) set
+//! `LEASEHOLD_STORE__TRANSACTION_POOLER=true`, and `LEASEHOLD_LISTEN_URL` to a URL
+//! straight to PostgreSQL (see `shared/store_env.rs` and the README's "Behind PgBouncer
+//! in transaction mode"); without the switch the start refuses with an error saying so.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,10 +16,12 @@ use std::time::Duration;
 use leasehold::{Config, Handler, JobContext, JobError, NewJob, Scheduler};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{ConnectOptions, Connection};
+use sqlx::{ConnectOptions, Connection, Row};
 
 #[path = "shared/log.rs"]
 mod log;
+#[path = "shared/store_env.rs"]
+mod store_env;
 
 #[derive(Serialize, Deserialize)]
 struct Greet {
@@ -77,19 +84,21 @@ impl Handler for Flaky {
     }
 }
 
+/// The pool on `leasehold_quickstart`, created if missing. Its own statements are simple
+/// queries (`raw_sql`: never a cached prepared statement), so they also work through a
+/// transaction-mode pooler.
 async fn database() -> sqlx::PgPool {
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/postgres".into());
-    let opts: sqlx::postgres::PgConnectOptions = url.parse().expect("DATABASE_URL");
+    let opts = store_env::connect_options().expect("DATABASE_URL");
     let mut admin = opts.connect().await.expect("connect to PostgreSQL");
-    let exists: bool = sqlx::query_scalar(
+    let exists: bool = sqlx::raw_sql(
         "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'leasehold_quickstart')",
     )
     .fetch_one(&mut admin)
     .await
+    .and_then(|row| row.try_get(0))
     .unwrap();
     if !exists {
-        let _ = sqlx::query("CREATE DATABASE leasehold_quickstart")
+        let _ = sqlx::raw_sql("CREATE DATABASE leasehold_quickstart")
             .execute(&mut admin)
             .await;
     }
@@ -111,13 +120,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..Config::default()
     };
     config.retry.backoff.base = Duration::from_millis(100);
+    store_env::store_settings(&mut config)?;
     let log = Arc::new(Mutex::new(Vec::new()));
-    let scheduler = Scheduler::builder(pool.clone(), config)
+    let started = Scheduler::builder(pool.clone(), config)
         .register(GreetHandler)
         .register(PostHandler { log: log.clone() })
         .register(Flaky)
         .start()
-        .await?;
+        .await;
+    // A refused start says what to change (a transaction-mode pooler without
+    // `store.transaction_pooler`, say): print it as text, not as `main`'s debug form.
+    let scheduler = match started {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("leasehold did not start: {e}");
+            std::process::exit(1);
+        }
+    };
 
     let greet = scheduler
         .enqueue::<GreetHandler>(&Greet {
@@ -172,7 +191,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     scheduler.shutdown().await?;
-    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+    sqlx::raw_sql(&format!("DROP SCHEMA {schema} CASCADE"))
         .execute(&pool)
         .await?;
     Ok(())

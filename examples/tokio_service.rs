@@ -6,7 +6,10 @@
 //!
 //! The scheduler runs its actors on a thread of its own; its handlers run on this
 //! runtime (`Config::handler_threads` gives them threads of their own instead).
-//! Needs a local PostgreSQL (DATABASE_URL, default postgres://root@127.0.0.1:5432/postgres).
+//! Needs a PostgreSQL (DATABASE_URL, or PGHOST/PGPORT/PGUSER; default
+//! postgres://root@127.0.0.1:5432/postgres); behind a transaction-mode pooler,
+//! `LEASEHOLD_STORE__TRANSACTION_POOLER=true` and `LEASEHOLD_LISTEN_URL` (see
+//! `shared/store_env.rs`).
 //! `GREET_MS` sets how long a greeting takes (0 ms), to watch a stop release a job that
 //! is still running; `SCHEMA` names the scheduler's schema and keeps it (by default a
 //! schema of this process's own, dropped at exit).
@@ -20,6 +23,8 @@ use serde::{Deserialize, Serialize};
 mod env;
 #[path = "shared/log.rs"]
 mod log;
+#[path = "shared/store_env.rs"]
+mod store_env;
 
 #[derive(Serialize, Deserialize)]
 struct Greet {
@@ -55,16 +60,15 @@ fn greeting_time() -> Duration {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     log::init("leasehold=info", std::io::stdout);
     let demo = std::env::args().any(|a| a == "--demo");
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/postgres".into());
-    let pool = sqlx::PgPool::connect(&url).await?;
+    let pool = sqlx::PgPool::connect_with(store_env::connect_options()?).await?;
     let kept_schema = std::env::var("SCHEMA").ok();
-    let config = Config {
+    let mut config = Config {
         schema: kept_schema
             .clone()
             .unwrap_or_else(|| format!("tokio_example_{}", std::process::id())),
         ..Config::default()
     };
+    store_env::store_settings(&mut config)?;
     // Listen for SIGTERM before any job can start: a signal that came before the
     // handler was installed would kill the process with the job still running.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -91,7 +95,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         report.metrics.counters.completed, report.cancelled
     );
     if kept_schema.is_none() {
-        sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", config.schema))
+        // A simple query: it also works through a transaction-mode pooler.
+        sqlx::raw_sql(&format!("DROP SCHEMA \"{}\" CASCADE", config.schema))
             .execute(&pool)
             .await?;
     }

@@ -142,8 +142,10 @@ pub struct Config {
     /// Queues with a limit of their own: at most this many of the queue's jobs held by
     /// this scheduler at once (running, or claimed and waiting for a slot), so a flooded
     /// queue cannot take the slots the others need. Each named queue must be in
-    /// `queues`, its limit between 1 and `concurrency`. Queues not named share what the
-    /// limited ones leave. Default: none.
+    /// `queues`, its limit between 1 and `concurrency`. A limit is a cap, not a
+    /// reservation: what a limited queue does not use (empty, paused, nothing due) goes
+    /// to the other queues in the same claim, by priority across all of them. Default:
+    /// none.
     pub queue_concurrency: std::collections::BTreeMap<String, usize>,
     /// Lease taken at claim and on each renewal. Default 30 s.
     #[serde(with = "humantime_serde")]

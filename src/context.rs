@@ -11,7 +11,7 @@
 //! attempt gets the recorded outcome back instead of acting again.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -83,7 +83,15 @@ struct Inner {
     /// The handler has returned and the attempt's ending is being written: a renewal
     /// that misses the job now is the ending landing, not a lost lease.
     ending: AtomicBool,
+    /// Whether the handler started, and whether a renewal recorded that in the row
+    /// (`NOT_STARTED`, `STARTED`, `START_RECORDED`): an expired lease counts as an
+    /// attempt only once its start is recorded (see migrations/0015_recorded_starts.sql).
+    start: AtomicU8,
 }
+
+const NOT_STARTED: u8 = 0;
+const STARTED: u8 = 1;
+const START_RECORDED: u8 = 2;
 
 /// The origin of the monotonic deadlines kept as integers.
 fn base() -> Instant {
@@ -114,6 +122,7 @@ impl JobContext {
                 completed_in_tx: Mutex::new(false),
                 deadline: AtomicU64::new(to_nanos(deadline)),
                 ending: AtomicBool::new(false),
+                start: AtomicU8::new(NOT_STARTED),
             }),
         }
     }
@@ -143,6 +152,32 @@ impl JobContext {
     /// The lease is the attempt's to use: not cancelled, deadline not passed.
     pub(crate) fn lease_live(&self) -> bool {
         !self.is_cancelled() && Instant::now() < self.lease_deadline()
+    }
+
+    /// The handler is about to be spawned.
+    pub(crate) fn mark_started(&self) {
+        let _ = self
+            .inner
+            .start
+            .compare_exchange(NOT_STARTED, STARTED, SeqCst, SeqCst);
+    }
+
+    /// The handler was spawned (whether or not the row says so yet).
+    pub(crate) fn has_started(&self) -> bool {
+        self.inner.start.load(SeqCst) != NOT_STARTED
+    }
+
+    /// Started, and no renewal has recorded it in the row yet.
+    pub(crate) fn start_unrecorded(&self) -> bool {
+        self.inner.start.load(SeqCst) == STARTED
+    }
+
+    /// A renewal that said the attempt started was confirmed.
+    pub(crate) fn start_recorded(&self) {
+        let _ = self
+            .inner
+            .start
+            .compare_exchange(STARTED, START_RECORDED, SeqCst, SeqCst);
     }
 
     pub(crate) fn set_ending(&self) {
@@ -248,7 +283,9 @@ impl JobContext {
     ///
     /// `result` is stored as the job's result; the handler's own `Ok` output is then
     /// not stored. An error (the database failed the write) is retryable: roll back and
-    /// return it.
+    /// return it. A result that cannot be stored or read back (see
+    /// [`Store::complete_in`]) is a permanent error, refused before anything is sent:
+    /// your transaction is still usable.
     ///
     /// ```no_run
     /// use leasehold::{CompleteOutcome, Handler, JobContext, JobError};
@@ -305,7 +342,12 @@ impl JobContext {
             .store
             .complete_in(conn, &self.fence(), result)
             .await
-            .map_err(|e| JobError::retry(format!("completion in transaction failed: {e}")))?;
+            .map_err(|e| match e {
+                crate::Error::InvalidInput { .. } => {
+                    JobError::permanent(format!("completion in transaction refused: {e}"))
+                }
+                e => JobError::retry(format!("completion in transaction failed: {e}")),
+            })?;
         if outcome == CompleteOutcome::Completed {
             *self.inner.completed_in_tx.lock().unwrap() = true;
         }
@@ -326,6 +368,17 @@ impl JobContext {
     /// same key); a request whose fingerprint differs from the recorded one
     /// ([`crate::Error::FingerprintMismatch`], permanent); a ledger that cannot be read
     /// or written (retryable).
+    ///
+    /// Permanent, so that no retry acts again: a step whose key the ledger could not
+    /// record (empty, with a NUL, or an effect key over
+    /// [`INDEXED_TEXT_ALWAYS_FITS`](crate::store::INDEXED_TEXT_ALWAYS_FITS) bytes),
+    /// refused before `act` runs; an outcome the ledger cannot store or a later attempt
+    /// could not read back (a NUL, nesting deeper than
+    /// [`MAX_PAYLOAD_DEPTH`](crate::store::MAX_PAYLOAD_DEPTH), more than
+    /// [`StoreOptions::max_result_bytes`](crate::StoreOptions::max_result_bytes)),
+    /// checked as soon as `act` returns and before it is recorded or returned: the effect
+    /// happened once, and the job stops there with the reason for an operator to
+    /// reconcile by its key; and a recorded outcome that cannot be decoded.
     ///
     /// ```no_run
     /// use leasehold::{Handler, JobContext, JobError};
@@ -441,6 +494,14 @@ impl JobContext {
         Fut: Future<Output = Result<Out, JobError>>,
     {
         let key = self.effect_key(step);
+        // Before anything else: a key the ledger would refuse after the effect happened
+        // would make the retry act again.
+        crate::store::check_effect_key(key.as_str()).map_err(|e| {
+            JobError::permanent(format!(
+                "the effect key of step {:?} cannot be recorded, so the step was not run: {e}",
+                shortened(step)
+            ))
+        })?;
         let fingerprint = fingerprint(request)?;
         if let Some(recorded) = self.recorded(&key, &fingerprint).await? {
             return Ok(recorded);
@@ -466,10 +527,16 @@ impl JobContext {
                 self.inner.effect_keep,
             )
             .await
-            .map_err(|e| {
-                JobError::retry(format!(
+            .map_err(|e| match e {
+                // Checked before writing: nothing was recorded, and a retry would get the
+                // same outcome again (or act again), so stop here.
+                crate::Error::InvalidInput { .. } => JobError::permanent(format!(
+                    "effect {key} happened, but its outcome cannot be recorded ({e}); stopped \
+                     here so that no retry acts again: reconcile it by its key"
+                )),
+                e => JobError::retry(format!(
                     "effect {key} happened but recording it failed: {e}"
-                ))
+                )),
             })?;
         match recorded {
             RecordOutcome::Recorded => Ok(outcome),
@@ -501,9 +568,19 @@ impl JobContext {
         key: &EffectKey,
         fingerprint: &str,
     ) -> Result<Option<Out>, JobError> {
-        let found = self.inner.store.effect(key.as_str()).await.map_err(|e| {
-            JobError::retry(format!("cannot read the effect ledger for {key}: {e}"))
-        })?;
+        let found = self
+            .inner
+            .store
+            .effect(key.as_str())
+            .await
+            .map_err(|e| match e {
+                // A stored outcome no attempt can read: retrying would not help, and
+                // acting without it could do the effect twice.
+                crate::Error::Decode { .. } => JobError::permanent(format!(
+                    "the recorded outcome of effect {key} cannot be read ({e}); not acting again"
+                )),
+                e => JobError::retry(format!("cannot read the effect ledger for {key}: {e}")),
+            })?;
         match found {
             None => Ok(None),
             Some(rec) => {
@@ -511,6 +588,14 @@ impl JobContext {
                 decode_outcome(key, rec.outcome).map(Some)
             }
         }
+    }
+}
+
+/// `text` cut to its first 60 characters, for a message about a step name of any length.
+fn shortened(text: &str) -> String {
+    match text.char_indices().nth(60) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
     }
 }
 

@@ -26,17 +26,26 @@ pub enum Error {
         limit: usize,
     },
 
-    /// The payload could not be turned into JSON (or contains a NUL, which PostgreSQL's
-    /// jsonb cannot store); nothing was written.
+    /// The payload could not be turned into JSON, contains a NUL (which PostgreSQL's
+    /// jsonb cannot store), or is nested deeper than
+    /// [`MAX_PAYLOAD_DEPTH`](crate::store::MAX_PAYLOAD_DEPTH) levels (which no reader
+    /// could read back); nothing was written.
     #[error("payload cannot be stored: {0}; nothing was enqueued")]
     InvalidPayload(String),
 
-    /// A value of the job that cannot be enqueued (a queue, kind or key that is empty or
-    /// contains NUL, `max_attempts` below 1, a run-at time or delay out of range, a
-    /// queue the scheduler does not serve); nothing was written.
+    /// A value that cannot be stored, or could not be read back, refused with nothing
+    /// written: a queue, kind, key, unique key or effect key that is empty or contains
+    /// NUL; text too long for an index entry (see
+    /// [`INDEXED_TEXT_ALWAYS_FITS`](crate::store::INDEXED_TEXT_ALWAYS_FITS));
+    /// `max_attempts` below 1; a run-at time or delay out of range; a queue the
+    /// scheduler does not serve; a result, progress or effect outcome with a NUL, nested
+    /// deeper than [`MAX_PAYLOAD_DEPTH`](crate::store::MAX_PAYLOAD_DEPTH) levels, or
+    /// over its size limit. Inside the caller's transaction, it is left usable (see
+    /// [`Store::enqueue_in`](crate::Store::enqueue_in)).
     #[error("invalid {field}: {reason}")]
     InvalidInput {
-        /// The field refused: `queue`, `kind`, `key`, `max_attempts`, `run_at`, ...
+        /// The field refused: `queue`, `kind`, `key`, `unique key`, `max_attempts`,
+        /// `run_at`, `delay`, `result`, `progress`, `effect key`, `effect outcome`, ...
         field: &'static str,
         /// Why, in words.
         reason: String,

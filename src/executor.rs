@@ -154,7 +154,12 @@ pub(crate) fn begin(
             env.metrics.incr(|c| &c.not_started);
             Start::Not(instead)
         }
-        None => span.in_scope(|| spawn_handler(&env, &ctx, on_return)),
+        None => {
+            // Before the spawn: a renewal that sees the flag records the start in the
+            // row, after which an expiry of this lease counts as an attempt.
+            ctx.mark_started();
+            span.in_scope(|| spawn_handler(&env, &ctx, on_return))
+        }
     };
     Begun {
         env,

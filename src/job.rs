@@ -177,7 +177,8 @@ pub struct NewJob {
     /// registered it claims the job.
     pub kind: String,
     /// Ordering key (an account, say): jobs with the same key in one queue run one at a
-    /// time, in enqueue (commit) order. `None`: no ordering.
+    /// time, in enqueue (commit) order. `None`: no ordering. Any text but the empty
+    /// string and NUL (see [`NewJob::with_key`]).
     pub key: Option<String>,
     /// Lower runs first; claims are ordered by `(priority, available_at, id)`. Default 0.
     pub priority: i16,
@@ -262,6 +263,25 @@ impl NewJob {
             .unwrap_or(crate::config::DEFAULT_QUEUE)
     }
     /// Jobs with the same key (in one queue) run one at a time, in enqueue order.
+    ///
+    /// A key is any text (quotes, SQL, non-ASCII, long strings: stored and shown as it
+    /// is) except two, which every enqueue refuses with
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput) for `key`, nothing written:
+    /// the empty string (`invalid key: must not be empty`; a job without a key is one
+    /// without `with_key`: an empty key is most often an unset id, and one shared key
+    /// would queue all such jobs behind each other), and NUL, which PostgreSQL text
+    /// cannot store. The store's filters, the CLI's `--key` and the dashboard say the
+    /// same: no job has the empty key (the dashboard's empty field is no filter). Queue
+    /// and key together up to
+    /// [`INDEXED_TEXT_ALWAYS_FITS`](crate::store::INDEXED_TEXT_ALWAYS_FITS) bytes
+    /// always fit in PostgreSQL's index entries; longer ones fit if they compress, and
+    /// are refused otherwise (the error names the field and the limit).
+    ///
+    /// ```
+    /// # use leasehold::NewJob;
+    /// let job = NewJob::from_json("charge", serde_json::json!({})).with_key("account:42");
+    /// assert_eq!(job.key.as_deref(), Some("account:42"));
+    /// ```
     pub fn with_key(mut self, key: impl Into<String>) -> Self {
         self.key = Some(key.into());
         self

@@ -404,3 +404,115 @@ fn wake_ups_come_through_the_listen_url_or_from_polling_alone() {
         own.drop().await;
     }))
 }
+
+/// Finishes at once.
+#[derive(Clone)]
+struct Quick;
+
+impl Handler for Quick {
+    type Payload = ();
+    type Output = ();
+    const KIND: &'static str = "quick";
+
+    async fn run(&self, _: JobContext, _: ()) -> Result<(), JobError> {
+        Ok(())
+    }
+}
+
+/// Issue 30, item 7: with the default config (no `store.transaction_pooler`), a
+/// scheduler behind a transaction-mode pooler is refused at start with one error that
+/// names the switch and `listen_url`, before it has taken a job or opened a connection
+/// of its own; a `Store` of its own is refused the same way by `migrate`. The same
+/// config through a session-mode pooler, and straight to PostgreSQL, runs jobs.
+#[test]
+fn without_the_switch_a_transaction_pooler_is_refused_at_start_with_one_error_naming_it() {
+    run_in_system(within(90, "pooler refused at start", async {
+        let own = OwnDb::new("pooler_refused").await;
+        let waiting = own
+            .db
+            .store
+            .enqueue(NewJob::new(Quick::KIND, &()).unwrap())
+            .await
+            .unwrap();
+
+        let bouncer = PgBouncer::start(2);
+        let pool = pooled_pool(&bouncer, &own, 4).await;
+        let start = Scheduler::builder(pool.clone(), fast_config(&own.db.schema))
+            .register(Quick)
+            .start()
+            .await;
+        let Err(err) = start else {
+            panic!("a scheduler started behind a transaction pooler without the switch");
+        };
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                leasehold::Error::Config {
+                    field: "store.transaction_pooler",
+                    ..
+                }
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("`store.transaction_pooler = true`") && text.contains("`listen_url`"),
+            "{text}"
+        );
+        let store = leasehold::Store::new(
+            pool.clone(),
+            &own.db.schema,
+            leasehold::StoreOptions::default(),
+        )
+        .unwrap();
+        let err = store
+            .migrate()
+            .await
+            .expect_err("a store's migrate through the pooler");
+        assert!(
+            err.to_string().contains("store.transaction_pooler"),
+            "{err}"
+        );
+        // Nothing was taken, and nothing of a scheduler's own was opened.
+        let job = own.db.store.job(waiting).await.unwrap();
+        assert_eq!(job.state, JobState::Pending, "{job:?}");
+        assert_eq!((job.attempts, job.generation.0), (0, 0), "{job:?}");
+        assert_eq!(own.scheduler_backends().await, 0);
+        pool.close().await;
+        drop(bouncer);
+
+        // Session mode: every client connection keeps its server connection (sixteen
+        // for the host pool's four, the scheduler's eight and the start-up check's two).
+        let session = PgBouncer::start_session(16);
+        let s = Scheduler::builder(
+            pooled_pool(&session, &own, 4).await,
+            fast_config(&own.db.schema),
+        )
+        .register(Quick)
+        .start()
+        .await
+        .unwrap();
+        wait_until(
+            20,
+            "the job to run through the session-mode pooler",
+            || async { own.db.state_of(waiting).await == "done" },
+        )
+        .await;
+        s.shutdown().await.unwrap();
+        drop(session);
+
+        // Straight to PostgreSQL.
+        let s = Scheduler::builder(own.db.pool.clone(), fast_config(&own.db.schema))
+            .register(Quick)
+            .start()
+            .await
+            .unwrap();
+        let direct = s.enqueue::<Quick>(&()).await.unwrap();
+        wait_until(20, "the job to run straight to PostgreSQL", || async {
+            own.db.state_of(direct).await == "done"
+        })
+        .await;
+        s.shutdown().await.unwrap();
+        own.drop().await;
+    }))
+}

@@ -281,3 +281,60 @@ fn a_cancelled_head_that_finishes_its_work_is_done() {
         db.drop().await;
     }))
 }
+
+/// A notification is a hint, never a fact: an enqueue into a schema named
+/// `cancel_<schema>` (whose wake-up channel was once this schema's cancel channel) and
+/// a bare NOTIFY on this schema's own cancel channel, with no cancel recorded on the
+/// row, must both leave the running head alone; the real cancel afterwards still
+/// reaches it at once.
+#[test]
+fn a_cancel_notification_without_a_recorded_cancel_never_stops_a_handler() {
+    run_in_system(within(60, "cancel: hint only", async {
+        let s = setup("rt_cancel_hint", OnCancel::Stop).await;
+        let neighbour_schema = format!("cancel_{}", s.db.schema);
+        let neighbour =
+            leasehold::Store::new(s.db.owner.clone(), &neighbour_schema, StoreOptions::default())
+                .unwrap();
+        neighbour.migrate().await.unwrap();
+        // The neighbour's queue is named like the head's id: its wake-up payload.
+        neighbour
+            .enqueue(
+                leasehold::NewJob::from_json("anything", serde_json::json!({}))
+                    .with_queue(s.head.0.to_string()),
+            )
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(s.db.store.schema().cancel_channel())
+            .bind(s.head.0.to_string())
+            .execute(&s.db.pool)
+            .await
+            .unwrap();
+        // Two renew intervals: a renewal prompted by the hint has read the row by then.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let runs = s.h.runs_tagged("head");
+        assert!(
+            runs[0].cancel.is_none() && runs[0].end.is_none(),
+            "the head was stopped without a recorded cancel: {:?}",
+            runs[0]
+        );
+        assert_eq!(
+            s.db.store.job(s.head).await.unwrap().state,
+            JobState::Running
+        );
+        let asked = s.cancel_head().await;
+        let head = s.h.ended("head", 10).await;
+        let (reason, told) = head.cancel.expect("the real cancel reached the head");
+        assert_eq!(reason, CancelReason::Cancelled);
+        assert!(
+            told.duration_since(asked) < Duration::from_millis(400),
+            "told {:?} after the cancel",
+            told.duration_since(asked)
+        );
+        let (db, _) = s.finish().await;
+        let _ = sqlx::query(&format!("DROP SCHEMA \"{neighbour_schema}\" CASCADE"))
+            .execute(&db.owner)
+            .await;
+        db.drop().await;
+    }))
+}

@@ -133,6 +133,13 @@ async fn running_cancellable(test: &str) -> LostLease {
         .await
         .unwrap();
     assert_eq!(got, id);
+    // The renewer records the start soon after it: an expiry counts as an attempt then.
+    wait_until(10, "the start to be recorded", || async {
+        db.count_where("jobs", &format!("id = {} AND started_generation = generation", id.0))
+            .await
+            == 1
+    })
+    .await;
     LostLease {
         db,
         scheduler,

@@ -40,7 +40,7 @@ fn workload(keys: usize, per_key: i64, unkeyed: i64, sleep_ms: u64) -> Vec<Vec<N
         let mut wave = Vec::new();
         for k in 0..keys {
             wave.push(
-                NewJob::new("logged", &Step { n, sleep_ms })
+                NewJob::new("logged", &Step { n, sleep_ms, abort: false })
                     .unwrap()
                     .with_key(format!("acct-{k:03}")),
             );
@@ -49,7 +49,7 @@ fn workload(keys: usize, per_key: i64, unkeyed: i64, sleep_ms: u64) -> Vec<Vec<N
                 <= unkeyed * ((n - 1) * keys as i64 + k as i64 + 1)
             {
                 u += 1;
-                wave.push(NewJob::new("logged", &Step { n: u, sleep_ms }).unwrap());
+                wave.push(NewJob::new("logged", &Step { n: u, sleep_ms, abort: false }).unwrap());
             }
         }
         waves.push(wave);

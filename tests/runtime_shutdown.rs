@@ -1,7 +1,10 @@
 //! Shutdown: start and stop many times with jobs in flight without leaking actors,
-//! tasks, threads or connections; a job released at shutdown is claimable at once.
+//! tasks, threads or connections; a job released at shutdown is claimable at once; the
+//! shutdown runs once, to its end, whichever callers stop waiting for it, and every
+//! caller gets its one report; a start whose caller stopped waiting leaves nothing
+//! running.
 //!
-//! Both tests count the scheduler's own connections by name, so each runs in a database
+//! The tests count the scheduler's own connections by name, so each runs in a database
 //! of its own (see `OwnDb`).
 
 mod common;
@@ -384,6 +387,209 @@ fn handlers_that_stop_when_asked_at_shutdown_have_their_jobs_released_not_failed
             )
             .await;
         assert_eq!(late, 0, "jobs given a backoff or a failure at shutdown");
+        own.drop().await;
+    }))
+}
+
+/// Job ids' `released` events: how many times each was given back.
+async fn released_events(db: &common::TestDb, id: leasehold::JobId) -> usize {
+    db.store
+        .history(id)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.event == "released")
+        .count()
+}
+
+/// Issue 30, item 8: the first caller gives up on `shutdown()` after 200 ms (a
+/// `tokio::time::timeout` dropping its future) while a handler that ignores
+/// cancellation still runs. The shutdown goes on to its end regardless, and later calls
+/// get its one true report: the attempt cancelled after the grace period and released.
+#[test]
+fn a_shutdown_whose_first_caller_gave_up_runs_to_its_end_and_later_calls_get_its_report() {
+    run_in_system(within(60, "timed-out shutdown test", async {
+        let own = OwnDb::new("shutdown_gave_up").await;
+        let db = &own.db;
+        let live = Arc::new(AtomicI64::new(0));
+        let mut config = fast_config(&db.schema);
+        config.lease = Duration::from_secs(60);
+        config.renew_interval = Duration::from_secs(5);
+        config.shutdown_grace = Duration::from_secs(1);
+        let s = Scheduler::builder(db.pool.clone(), config)
+            .register(Stubborn { live: live.clone() })
+            .start()
+            .await
+            .unwrap();
+        let id = s.enqueue::<Stubborn>(&()).await.unwrap();
+        wait_until(10, "the job to run", || async { live.load(SeqCst) == 1 }).await;
+
+        let gave_up = tokio::time::timeout(Duration::from_millis(200), s.shutdown()).await;
+        assert!(
+            gave_up.is_err(),
+            "the first shutdown ended within 200 ms: {gave_up:?}"
+        );
+        let report = within(30, "the second shutdown", s.shutdown())
+            .await
+            .unwrap();
+        assert_eq!((report.drained, report.cancelled), (0, 1), "{report:?}");
+        assert_eq!(report.metrics.counters.released, 1, "{report:?}");
+        assert_eq!(report.metrics.in_flight, 0, "{report:?}");
+        // Every later call returns the same report, the metrics taken once included.
+        assert_eq!(s.shutdown().await.unwrap(), report);
+
+        // The job was released once, by the one shutdown.
+        let job = db.store.job(id).await.unwrap();
+        assert_eq!(job.state, JobState::Pending, "{job:?}");
+        assert_eq!((job.attempts, job.lease_until), (0, None), "{job:?}");
+        assert_eq!(released_events(db, id).await, 1);
+        wait_until(5, "the handler to be dropped", || async {
+            live.load(SeqCst) == 0
+        })
+        .await;
+        wait_until(5, "the scheduler's connections to close", || async {
+            own.scheduler_backends().await == 0
+        })
+        .await;
+        own.drop().await;
+    }))
+}
+
+/// Callers from several tasks and another thread's runtime, one of them giving up after
+/// 200 ms, while one attempt drains and one outlives the grace period: every caller
+/// that waits gets the same report (its metrics snapshot included, so it was taken by
+/// one run), with one drained and one cancelled, and the job given back once.
+#[test]
+fn concurrent_shutdowns_one_giving_up_all_get_the_one_report() {
+    run_in_system(within(60, "concurrent shutdown test", async {
+        let own = OwnDb::new("shutdown_concurrent").await;
+        let db = &own.db;
+        let live = Arc::new(AtomicI64::new(0));
+        let mut config = fast_config(&db.schema);
+        config.lease = Duration::from_secs(60);
+        config.renew_interval = Duration::from_secs(5);
+        config.shutdown_grace = Duration::from_millis(1500);
+        let s = Scheduler::builder(db.pool.clone(), config)
+            .register(Stubborn { live: live.clone() })
+            .register(Worker {
+                live: live.clone(),
+                fast: false,
+            })
+            .start()
+            .await
+            .unwrap();
+        let stubborn = s.enqueue::<Stubborn>(&()).await.unwrap();
+        let drains = s.enqueue::<Worker>(&Work { ms: 700 }).await.unwrap();
+        wait_until(10, "both jobs to run", || async { live.load(SeqCst) == 2 }).await;
+
+        let gave_up = {
+            let s = s.clone();
+            actix::spawn(async move {
+                tokio::time::timeout(Duration::from_millis(200), s.shutdown())
+                    .await
+                    .is_err()
+            })
+        };
+        let mut waiting = Vec::new();
+        for _ in 0..4 {
+            let s = s.clone();
+            waiting.push(actix::spawn(async move { s.shutdown().await.unwrap() }));
+        }
+        let elsewhere = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(s.shutdown())
+                    .unwrap()
+            })
+        };
+        assert!(gave_up.await.unwrap(), "a caller gave up after 200 ms");
+        let mut reports = Vec::new();
+        for w in waiting {
+            reports.push(w.await.unwrap());
+        }
+        reports.push(
+            tokio::task::spawn_blocking(move || elsewhere.join().unwrap())
+                .await
+                .unwrap(),
+        );
+        reports.push(s.shutdown().await.unwrap());
+        let first = reports[0].clone();
+        assert_eq!((first.drained, first.cancelled), (1, 1), "{first:?}");
+        assert_eq!(first.metrics.counters.released, 1, "{first:?}");
+        assert_eq!(first.metrics.counters.completed, 1, "{first:?}");
+        for (i, r) in reports.iter().enumerate() {
+            assert_eq!(r, &first, "caller {i} got another report");
+        }
+        assert_eq!(db.state_of(drains).await, "done");
+        assert_eq!(db.state_of(stubborn).await, "pending");
+        assert_eq!(released_events(db, stubborn).await, 1);
+        wait_until(5, "the scheduler's connections to close", || async {
+            own.scheduler_backends().await == 0
+        })
+        .await;
+        own.drop().await;
+    }))
+}
+
+/// A `start()` whose caller stops waiting (a timeout drops its future) at any point
+/// leaves no scheduler running without a handle: one whose actors already ran when the
+/// caller went away shuts itself down, so it claims nothing and keeps no connection.
+/// The timeouts step through the whole start, so some fall after the scheduler's thread
+/// was started and before `start()` returned.
+#[test]
+fn a_start_whose_caller_gave_up_leaves_no_scheduler_running() {
+    run_in_system(within(150, "abandoned start test", async {
+        let own = OwnDb::new("shutdown_abandoned_start").await;
+        let db = &own.db;
+        let live = Arc::new(AtomicI64::new(0));
+        let config = fast_config(&db.schema);
+        let start = || {
+            Scheduler::builder(db.pool.clone(), config.clone())
+                .register(Worker {
+                    live: live.clone(),
+                    fast: true,
+                })
+                .start()
+        };
+        // One whole start sets the steps: 120 of them from nothing to one and a half.
+        let began = std::time::Instant::now();
+        let s = start().await.unwrap();
+        let step = began.elapsed().mul_f64(1.5) / 120;
+        s.shutdown().await.unwrap();
+        let (mut abandoned, mut started) = (0, 0);
+        for i in 0..120u32 {
+            match tokio::time::timeout(step * i, start()).await {
+                Ok(s) => {
+                    started += 1;
+                    s.unwrap().shutdown().await.unwrap();
+                }
+                Err(_) => abandoned += 1,
+            }
+        }
+        eprintln!("starts abandoned: {abandoned}, completed: {started}");
+        assert!(abandoned > 0 && started > 0, "{abandoned} / {started}");
+        // Nothing of an abandoned start is left: no connection of a scheduler's own, and
+        // a job enqueued now is taken by nobody.
+        wait_until(20, "every scheduler's connections to close", || async {
+            own.scheduler_backends().await == 0
+        })
+        .await;
+        let id = db
+            .store
+            .enqueue(NewJob::new("work", &Work { ms: 1 }).unwrap())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            db.state_of(id).await,
+            "pending",
+            "a scheduler without a handle took it"
+        );
+        assert_eq!(own.scheduler_backends().await, 0);
         own.drop().await;
     }))
 }

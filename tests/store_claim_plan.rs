@@ -185,14 +185,15 @@ async fn a_spent_byte_budget_claims_nothing_unless_nothing_is_held() {
 }
 
 /// Shared buffers one claim of `limit` jobs from `default` touched, whole function
-/// included (nothing is claimed: the transaction is rolled back).
+/// included (nothing is claimed: the transaction is rolled back). The function the
+/// library calls; `claim_footprint` goes through the older `claim`, which calls it.
 async fn claim_buffers(db: &TestDb, limit: i32) -> i64 {
     use sqlx::Connection;
     let mut conn = db.raw_conn("buffers").await;
     let mut tx = conn.begin().await.unwrap();
     let plan: serde_json::Value = sqlx::query_scalar(&format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM \"{}\".claim(ARRAY['default'], \
-         NULL, $1, 9223372036854775807, true, 'buffers', NULL, 30, false)",
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM \"{}\".claim_capped(ARRAY['default'], \
+         NULL, $1, 9223372036854775807, true, 'buffers', NULL, 30, false, NULL, NULL)",
         db.schema
     ))
     .bind(limit)
@@ -252,6 +253,193 @@ async fn a_claim_steps_over_the_entries_of_jobs_claimed_before_it_once() {
             "a claim stepped over the claimed entries more than once: {walked} pages more \
              than on the fresh table, against {claimed_pages} pages of them"
         );
+        db.drop().await;
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------
+// Per-queue caps (`ClaimRequest::caps`): a cap bounds its queue inside the one claim,
+// and what the capped queue does not take goes to the others.
+// ---------------------------------------------------------------------------
+
+/// Enqueue `n` jobs of `queue` at `priority`, each 2 ms after the one before (so
+/// `available_at` orders them); their ids.
+async fn enqueue_at(db: &TestDb, queue: &str, n: usize, priority: i16) -> Vec<leasehold::JobId> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let j = NewJob::from_json("k", serde_json::json!({}))
+            .with_queue(queue)
+            .with_priority(priority);
+        ids.push(db.store.enqueue(j).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    ids
+}
+
+fn capped_req(queues: &[&str], limit: i64, caps: &[(&str, i64)]) -> leasehold::store::ClaimRequest {
+    let mut req = claim_req(&owner("w"), limit);
+    req.queues = queues.iter().map(|q| q.to_string()).collect();
+    req.caps = caps.iter().map(|(q, n)| (q.to_string(), *n)).collect();
+    req
+}
+
+/// How many of the claimed jobs are of each queue, by queue name.
+async fn claim_by_queue(db: &TestDb, req: &leasehold::store::ClaimRequest) -> Vec<(String, usize)> {
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    for j in db.store.claim(req).await.unwrap() {
+        *counts.entry(j.queue).or_default() += 1;
+    }
+    counts.into_iter().collect()
+}
+
+fn counts(pairs: &[(&str, usize)]) -> Vec<(String, usize)> {
+    pairs.iter().map(|(q, n)| (q.to_string(), *n)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cap_bounds_its_queue_and_the_rest_of_the_limit_goes_to_the_others() {
+    bounded(async {
+        let db = TestDb::with_options("claim_caps_rest", StoreOptions::default(), 2).await;
+        load(&db, "webhooks", 10, None).await;
+        load(&db, "default", 10, None).await;
+        let req = capped_req(&["webhooks", "default"], 6, &[("webhooks", 2)]);
+        assert_eq!(
+            claim_by_queue(&db, &req).await,
+            counts(&[("default", 4), ("webhooks", 2)]),
+            "webhooks is older, so first in line, but capped at 2"
+        );
+        // A cap of 0 takes nothing of its queue.
+        let req = capped_req(&["webhooks", "default"], 3, &[("webhooks", 0)]);
+        assert_eq!(claim_by_queue(&db, &req).await, counts(&[("default", 3)]));
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capped_queue_with_nothing_to_take_keeps_nothing_from_the_others() {
+    bounded(async {
+        let db = TestDb::with_options("claim_caps_idle", StoreOptions::default(), 2).await;
+        load(&db, "default", 20, None).await;
+        let req = capped_req(&["webhooks", "default"], 4, &[("webhooks", 4)]);
+        assert_eq!(
+            claim_by_queue(&db, &req).await,
+            counts(&[("default", 4)]),
+            "webhooks empty"
+        );
+        load(&db, "webhooks", 5, Some(Duration::from_secs(3600))).await;
+        assert_eq!(
+            claim_by_queue(&db, &req).await,
+            counts(&[("default", 4)]),
+            "webhooks has only delayed jobs"
+        );
+        load(&db, "webhooks", 5, None).await;
+        db.store.pause_queue("webhooks", None).await.unwrap();
+        assert_eq!(
+            claim_by_queue(&db, &req).await,
+            counts(&[("default", 4)]),
+            "webhooks paused"
+        );
+        db.store.resume_queue("webhooks").await.unwrap();
+        // Default's eight left are older; webhooks' five come after them, at most four.
+        let req = capped_req(&["webhooks", "default"], 20, &[("webhooks", 4)]);
+        assert_eq!(
+            claim_by_queue(&db, &req).await,
+            counts(&[("default", 8), ("webhooks", 4)]),
+            "webhooks resumed: at most its cap"
+        );
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priorities_hold_across_capped_and_uncapped_queues() {
+    bounded(async {
+        let db = TestDb::with_options("claim_caps_priority", StoreOptions::default(), 2).await;
+        // Webhooks (capped at 3): two jobs at each of priorities 0, 1, 2; default: four
+        // at priority 1, enqueued last.
+        let w0 = enqueue_at(&db, "webhooks", 2, 0).await;
+        let w1 = enqueue_at(&db, "webhooks", 2, 1).await;
+        let _w2 = enqueue_at(&db, "webhooks", 2, 2).await;
+        let d1 = enqueue_at(&db, "default", 4, 1).await;
+        let req = capped_req(&["default", "webhooks"], 5, &[("webhooks", 3)]);
+        let got: Vec<_> = db
+            .store
+            .claim(&req)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        // Priority 0: both webhooks jobs. Priority 1: webhooks' older one (its last
+        // place), then default's, oldest first, to the limit. Priority 2 not reached.
+        let mut want = vec![w0[0], w0[1], w1[0], d1[0], d1[1]];
+        want.sort_by_key(|id| id.0);
+        let mut sorted = got.clone();
+        sorted.sort_by_key(|id| id.0);
+        assert_eq!(sorted, want, "claimed {got:?}");
+        // With its cap spent across levels, webhooks gives way to default's lower
+        // priority too: default 2 more, nothing of webhooks past its new cap of 1.
+        let req = capped_req(&["default", "webhooks"], 4, &[("webhooks", 1)]);
+        assert_eq!(
+            claim_by_queue(&db, &req).await,
+            counts(&[("default", 2), ("webhooks", 1)])
+        );
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capped_claim_locks_and_walks_no_job_past_the_cap() {
+    bounded(async {
+        use sqlx::Connection;
+        let db = TestDb::with_options("claim_caps_walk", StoreOptions::default(), 2).await;
+        load(&db, "webhooks", 20_000, None).await;
+        load(&db, "default", 5, None).await;
+        let mut conn = db.raw_conn("caps_walk").await;
+        let mut tx = conn.begin().await.unwrap();
+        let claimed: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM \"{}\".claim_capped(ARRAY['webhooks', 'default'], NULL, 100, \
+             9223372036854775807, true, 'caps', NULL, 30, false, ARRAY['webhooks'], ARRAY[4])",
+            db.schema
+        ))
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        assert_eq!(claimed, 9, "4 of webhooks, all 5 of default");
+        let index_tuples: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)::int8
+             FROM pg_index WHERE indrelid = to_regclass($1)",
+        )
+        .bind(db.table("jobs"))
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        // Uncapped, the scan of webhooks would lock up to the limit (100) before the
+        // merge kept its share.
+        assert!(
+            index_tuples <= 40,
+            "the capped claim read {index_tuples} index entries"
+        );
+        // Seen from another session: the claimed rows are locked, and no other.
+        let free: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM (SELECT id FROM \"{}\".jobs WHERE queue = 'webhooks' \
+             FOR UPDATE SKIP LOCKED) f",
+            db.schema
+        ))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            free,
+            20_000 - 4,
+            "webhooks rows locked by the claim beyond the 4 it took"
+        );
+        tx.rollback().await.unwrap();
+        conn.close().await.unwrap();
         db.drop().await;
     })
     .await

@@ -51,6 +51,9 @@ async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_gene
             .await
             .unwrap();
         assert_eq!(report.retried, vec![id]);
+        // Its session died before the job ran (no renewal recorded a start): the
+        // attempt is given back, not spent.
+        assert_eq!(report.unstarted, vec![id]);
         assert!(report.dead.is_empty());
         let (job_id, generation, exp_owner, exp_lease_until, reaped_by, new_state): (
             i64,
@@ -73,10 +76,10 @@ async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_gene
         assert_eq!(new_state, "pending");
         let rec = db.store.job(id).await.unwrap();
         assert_eq!(rec.state, JobState::Pending);
+        assert_eq!(rec.attempts, 0, "an attempt that never started is not spent");
         assert_eq!(
-            rec.available_at,
-            secs_after(at, 5),
-            "backoff is computed from the reap time"
+            rec.available_at, at,
+            "a job that never started is claimable again at once, without backoff"
         );
         assert!(rec.last_error.unwrap().contains("lease expired"));
 
@@ -89,22 +92,12 @@ async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_gene
             .is_empty());
         assert_eq!(db.count_where("lease_expiries", "true").await, 1);
 
-        // Not before the backoff; then B claims the next generation.
-        assert!(db
-            .store
-            .claim(&claim_at(&b, 10, at))
-            .await
-            .unwrap()
-            .is_empty());
-        let again = db
-            .store
-            .claim(&claim_at(&b, 10, secs_after(at, 6)))
-            .await
-            .unwrap();
+        // B claims the next generation at once, as the same attempt number.
+        let again = db.store.claim(&claim_at(&b, 10, at)).await.unwrap();
         assert_eq!(again.len(), 1);
         assert_eq!(again[0].id, id);
         assert_eq!(again[0].generation, Generation(2));
-        assert_eq!(again[0].attempt, 2, "the lost attempt counts");
+        assert_eq!(again[0].attempt, 1, "the attempt that never started is not counted");
         let b_run = h.run(&db.store, &again[0]).await;
         assert_eq!(b_run.path, Path::Acted);
         assert_eq!(
@@ -155,9 +148,16 @@ async fn expired_lease_with_attempts_spent_makes_the_job_dead() {
             .unwrap();
         let a = owner("a");
         let got = db.store.claim(&claim_req(&a, 1)).await.unwrap();
-        // A's handler runs its effect while the lease holds, then stalls past it.
+        // A's handler starts (its renewal records the start), runs its effect while the
+        // lease holds, then stalls past it.
+        let renewed = db
+            .store
+            .renew(&a, &[(got[0].id, got[0].generation)], LEASE)
+            .await
+            .unwrap();
+        assert_eq!(renewed.renewed.len(), 1);
         assert_eq!(h.run(&db.store, &got[0]).await.path, Path::Acted);
-        let at = secs_after(got[0].lease_until, 1);
+        let at = secs_after(renewed.renewed[0].1, 1);
         let report = db
             .store
             .reap(&owner("reaper"), &fixed_backoff(5), 100, Some(at))

@@ -161,7 +161,7 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
         "row_lock" | "host_enqueue_commit" | "host_enqueue_rollback" => {
             crate::nemesis_host::inject(h, p, rng).await
         }
-        "manual_hold" | "manual_cancel" | "cancel_running_head" => {
+        "manual_hold" | "manual_cancel" | "cancel_running_head" | "neighbour_cancel_hint" => {
             crate::nemesis_operator::inject(h, p, rng).await
         }
         "sigkill" => {

@@ -1,5 +1,6 @@
 //! Faults an operator makes: hold (and release) pending jobs, cancel recent jobs, and
-//! cancel running keyed heads that have successors waiting.
+//! cancel running keyed heads that have successors waiting; and a neighbour's noise:
+//! cancel notifications that no row backs (`neighbour_cancel_hint`).
 //!
 //! A cancel of a running job is a request (see the design): the key must not move on
 //! while that attempt may still run. `cancel_running_head` aims at exactly that case,
@@ -118,6 +119,10 @@ pub async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<J
             cancel_running_head(h, p).await;
             None
         }
+        "neighbour_cancel_hint" => {
+            neighbour_cancel_hint(h, p).await;
+            None
+        }
         _ => unreachable!("not an operator fault: {kind}"),
     }
 }
@@ -163,5 +168,52 @@ async fn cancel_running_head(h: &Arc<Harness>, p: &Planned) {
         format!("cancelled running heads: {}", outcomes.join(", ")),
     );
     fr.jobs = done;
+    record_with(h, start, fr);
+}
+
+/// A neighbour that looks like a cancel: an enqueue into schema `cancel_leasehold` (once
+/// the wake-up channel of that schema was this one's cancel channel) into queues named
+/// like running jobs' ids, and a bare NOTIFY of those ids on this schema's own cancel
+/// channel. No row records a cancel, so no handler may stop for it (the checker's
+/// `cancelled_unasked` rule).
+async fn neighbour_cancel_hint(h: &Arc<Harness>, p: &Planned) {
+    let start = Start::now();
+    let running: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM leasehold.jobs WHERE state = 'running' ORDER BY random() LIMIT $1",
+    )
+    .bind(p.n.max(1) as i64)
+    .fetch_all(&h.admin)
+    .await
+    .unwrap_or_default();
+    let neighbour = leasehold::Store::new(
+        h.admin.clone(),
+        "cancel_leasehold",
+        leasehold::StoreOptions::default(),
+    )
+    .expect("a valid schema name");
+    let mut sent = 0;
+    if neighbour.migrate().await.is_ok() {
+        for id in &running {
+            let job = leasehold::NewJob::from_json("neighbour", serde_json::json!({}))
+                .with_queue(id.to_string());
+            sent += neighbour.enqueue(job).await.is_ok() as u32;
+        }
+    }
+    for id in &running {
+        let r = sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(h.store.schema().cancel_channel())
+            .bind(id.to_string())
+            .execute(&h.admin)
+            .await;
+        sent += r.is_ok() as u32;
+    }
+    let mut fr = FaultRecord::new(
+        p.kind,
+        "jobs".into(),
+        start.us,
+        sent > 0,
+        format!("cancel hints without a cancel for running {running:?} ({sent} sent)"),
+    );
+    fr.jobs = running;
     record_with(h, start, fr);
 }

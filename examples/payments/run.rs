@@ -42,7 +42,9 @@ pub(crate) struct RunReport {
     pub(crate) trace: Vec<String>,
 }
 
-fn scheduler_config(schema: &str) -> Config {
+/// The demo's timings, with the store settings the environment gives
+/// (`shared/store_env.rs`).
+fn scheduler_config(schema: &str) -> leasehold::Result<Config> {
     let mut config = Config {
         schema: schema.to_string(),
         concurrency: 8,
@@ -57,7 +59,8 @@ fn scheduler_config(schema: &str) -> Config {
     };
     config.retry.max_attempts = 10;
     config.retry.backoff = backoff();
-    config
+    crate::store_env::store_settings(&mut config)?;
+    Ok(config)
 }
 
 fn backoff() -> Backoff {
@@ -120,7 +123,11 @@ async fn run_in(
         faults: gateway_faults(),
         ..GatewayConfig::default()
     })?;
-    let store = Store::new(admin.clone(), schema, StoreOptions::default())?;
+    let store_options = StoreOptions {
+        transaction_pooler: scheduler_config(schema)?.store.transaction_pooler,
+        ..StoreOptions::default()
+    };
+    let store = Store::new(admin.clone(), schema, store_options)?;
     let handler = PaymentHandler {
         gateway: gateway.client().with_timeout(CLIENT_TIMEOUT),
         keys,
@@ -136,7 +143,7 @@ async fn run_in(
     let mut workers = Vec::new();
     for w in 1..=WORKERS {
         let pool = small_pool(options, &format!("leasehold-demo-w{w}"), 3).await?;
-        let scheduler = Scheduler::builder(pool, scheduler_config(schema))
+        let scheduler = Scheduler::builder(pool, scheduler_config(schema)?)
             .register(handler.clone())
             .start()
             .await?;

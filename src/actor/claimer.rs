@@ -1,7 +1,8 @@
 //! Claimer: runs the short claim statements and hands out the jobs.
 //!
 //! # Messages
-//! - [`Wake`]: a NOTIFY arrived, or the listener reconnected.
+//! - [`Wake`]: a NOTIFY arrived, the listener reconnected, or a place freed in a queue
+//!   at its own limit with more of its jobs waiting (see `queue_limits`).
 //! - [`SlotsFreed`]: a handler returned or a successor was parked.
 //! - [`StopClaiming`]: shutdown has begun.
 //! - [`PausesChanged`]: a queue was paused (look at the paused queues now).
@@ -37,12 +38,14 @@ use actix::prelude::*;
 
 use super::dispatch::{dispatch, release_ready, start_ready, wait_for_slot, GiveBack};
 use super::pace::Pace;
+use super::queue_limits::ClaimPlan;
 use crate::env::Env;
 use crate::executor::hold;
 use crate::metrics::MailboxMeter;
 use crate::store::ClaimRequest;
 
-/// Look for work now: a NOTIFY arrived, or the listener reconnected.
+/// Look for work now: a NOTIFY arrived, the listener reconnected, or a place freed in a
+/// queue at its own limit with more of its jobs waiting.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Wake;
@@ -276,9 +279,13 @@ impl Claimer {
             // Every slot is busy and the queue full; a finishing job wakes us.
             return;
         }
-        // Queues at their own limit (`Config::queue_concurrency`) take no part.
-        let plan = self.env.queue_limits.plan(&cfg.queues, want);
-        let planned: usize = plan.iter().map(|p| p.1).sum();
+        // Queues at their own limit (`Config::queue_concurrency`) take no part; the
+        // others with a limit are capped at their room in the same statement.
+        let ClaimPlan {
+            queues,
+            limit: planned,
+            caps: reserved,
+        } = self.env.queue_limits.plan(&cfg.queues, want);
         let (slots, want) = if planned < want {
             self.env.slots.give_back(slots.saturating_sub(planned));
             (slots.min(planned), planned)
@@ -286,6 +293,7 @@ impl Claimer {
             (slots, want)
         };
         if want == 0 {
+            self.env.queue_limits.settle(&reserved, None);
             self.more_waiting = true;
             return;
         }
@@ -294,25 +302,27 @@ impl Claimer {
             byte_room < (want as i64).saturating_mul(cfg.store.max_payload_bytes as i64);
         let req = ClaimRequest {
             owner: self.env.owner.clone(),
-            queues: Vec::new(),
+            queues,
             kinds: Some(self.env.kinds.clone()),
-            limit: 0,
+            limit: want as i64,
             byte_budget: byte_room,
             first_over_budget: nothing_held,
+            caps: reserved
+                .iter()
+                .map(|(q, &n)| (q.clone(), n as i64))
+                .collect(),
             lease: cfg.lease,
             at: None,
         };
         let store = self.env.claim_store.clone();
         let started = Instant::now();
         ctx.spawn(
-            async move {
-                let (claimed, res) = claim_parts(&store, req, &plan).await;
-                (claimed, res, plan)
-            }
+            async move { store.claim_sent(&req).await }
                 .into_actor(self)
-                .map(move |(claimed, res, plan), act, ctx| {
+                .map(move |res, act, ctx| {
                     act.claiming -= 1;
-                    act.env.queue_limits.settle(&plan);
+                    let claimed = res.as_ref().ok().map(|(jobs, _)| &jobs[..]);
+                    act.env.queue_limits.settle(&reserved, claimed);
                     let env = act.env.clone();
                     let took = started.elapsed();
                     env.metrics.record_claim(took);
@@ -324,25 +334,15 @@ impl Claimer {
                     }
                     env.metrics.incr(|c| &c.claims);
                     let cfg = &env.config;
-                    // A later statement of the round failed: what the earlier ones
-                    // claimed is ours all the same.
-                    let res = match res {
-                        Err(e) if !claimed.is_empty() => {
-                            env.metrics.incr(|c| &c.db_errors);
-                            tracing::warn!(error = %e, "leasehold claim failed for some queues; retrying");
-                            Ok(claimed)
-                        }
-                        other => other.map(|()| claimed),
-                    };
                     match res {
-                        Ok(jobs) => {
+                        Ok((jobs, sent)) => {
                             let got = jobs.len();
                             env.slots.give_back(slots.saturating_sub(got));
                             env.metrics.add(|c| &c.claimed, got as u64);
                             env.metrics
                                 .add(|c| &c.claimed_ahead, got.saturating_sub(slots) as u64);
                             hold(&env, got);
-                            for (n, (job, sent)) in jobs.into_iter().enumerate() {
+                            for (n, job) in jobs.into_iter().enumerate() {
                                 env.slots.hold_bytes(job.payload_bytes);
                                 // Renewed from this moment, whatever waits before it runs.
                                 let ctx = env.track(job, sent);
@@ -381,35 +381,6 @@ impl Claimer {
                 }),
         );
     }
-}
-
-/// Run a claim round's statements in turn (one per limited queue, one for the rest;
-/// usually just one), each within the byte budget the earlier ones left. Returns every
-/// job claimed with the moment its statement was sent, and the error that stopped the
-/// round, if one did: the jobs claimed before it are still ours and must be tracked.
-async fn claim_parts(
-    store: &crate::store::Store,
-    mut req: ClaimRequest,
-    parts: &[super::queue_limits::ClaimPart],
-) -> (
-    Vec<(crate::job::ClaimedJob, Instant)>,
-    crate::error::Result<()>,
-) {
-    let mut claimed = Vec::new();
-    for (queues, limit) in parts {
-        req.queues.clone_from(queues);
-        req.limit = *limit as i64;
-        match store.claim_sent(&req).await {
-            Ok((jobs, sent)) => {
-                let bytes: i64 = jobs.iter().map(|j| j.payload_bytes as i64).sum();
-                req.byte_budget = (req.byte_budget - bytes).max(0);
-                req.first_over_budget &= jobs.is_empty();
-                claimed.extend(jobs.into_iter().map(|j| (j, sent)));
-            }
-            Err(e) => return (claimed, Err(e)),
-        }
-    }
-    (claimed, Ok(()))
 }
 
 impl Claimer {
@@ -451,6 +422,19 @@ impl Actor for Claimer {
         ctx.set_mailbox_capacity(self.env.config.mailbox_capacity);
         self.look_at_pauses(ctx);
         ctx.run_interval(PAUSE_LOOK, |act, ctx| act.look_at_pauses(ctx));
+        if !self.env.config.queue_concurrency.is_empty() {
+            // A place freed in a limited queue with more waiting: look now (see
+            // `queue_limits` for why freed slots alone do not tell).
+            let env = self.env.clone();
+            ctx.spawn(actix::fut::wrap_future(async move {
+                loop {
+                    env.queue_limits.place_freed().await;
+                    if let Some(claimer) = env.claimer.get() {
+                        let _ = claimer.tell(Wake);
+                    }
+                }
+            }));
+        }
         self.claim(ctx);
     }
 }

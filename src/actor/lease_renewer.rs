@@ -21,8 +21,20 @@
 //! Whatever happens, each attempt's local deadline (see
 //! [`JobContext::lease_deadline`]) stops its handler before its lease can expire.
 //!
+//! # Recording starts
+//! Each renewal says, per attempt, whether its handler has started; the row keeps the
+//! latest started generation, and the reaper counts an expired lease as an attempt only
+//! when its start was recorded (a job claimed ahead and waiting for a slot in a process
+//! that died has not run, and must not be dead-lettered for it). So that a handler that
+//! kills its process is counted too, a start is recorded soon: every
+//! [`START_RECORD_EVERY`] the renewer looks for attempts started since, and renews just
+//! those (one statement for all of them, none when there are none). A process that dies
+//! within that moment of a start leaves it unrecorded; the reaper bounds how often a job
+//! is given back so (`store::UNSTARTED_EXPIRIES_MAX`).
+//!
 //! # Messages
-//! - [`RenewNow`]: renew at once (tests; the interval does the same).
+//! - [`RenewNow`]: renew at once (tests; the listener, on a cancel notification for a job
+//!   running here, since the renewal reads the row; the interval does the same).
 //!
 //! # Lifecycle
 //! Runs on the maintenance arbiter (its own thread) with its own pool, every
@@ -56,6 +68,11 @@ pub(crate) type Running = Arc<DashMap<(JobId, Generation), JobContext>>;
 #[rtype(result = "(usize, usize)")]
 pub(crate) struct RenewNow;
 
+/// How often the renewer records the starts of attempts begun since its last look (see
+/// the module docs): at most this long after a start, plus a statement, the row knows.
+/// Under load that is five small statements a second; idle, none.
+pub(crate) const START_RECORD_EVERY: Duration = Duration::from_millis(200);
+
 /// Opens a fresh pool for the renewer (after a renewal hung).
 pub(crate) type PoolMaker = Box<dyn Fn() -> PgPool + Send>;
 
@@ -69,6 +86,8 @@ pub(crate) struct LeaseRenewer {
     confirmed_for: Duration,
     running: Running,
     renewing: bool,
+    /// A starts-only renewal (see [`START_RECORD_EVERY`]) is in flight.
+    recording_starts: bool,
     /// Renewals abandoned in a row (see [`LeaseRenewer::answer_within`]).
     timeouts_in_a_row: u32,
     /// A tick came while a renewal was in flight.
@@ -108,6 +127,7 @@ impl LeaseRenewer {
             confirmed_for: config.lease - config.renew_interval / 2,
             running,
             renewing: false,
+            recording_starts: false,
             timeouts_in_a_row: 0,
             tick_missed: false,
             meter: metrics.meter("lease_renewer"),
@@ -134,7 +154,17 @@ impl LeaseRenewer {
     }
 
     fn renew_once(&mut self) -> Option<impl ActorFuture<Self, Output = (usize, usize)>> {
-        if self.renewing {
+        self.renew(false)
+    }
+
+    /// Renew the leases of every attempt held here or, with `starts_only`, of those whose
+    /// start is not recorded yet (nothing to send when there are none).
+    fn renew(&mut self, starts_only: bool) -> Option<impl ActorFuture<Self, Output = (usize, usize)>> {
+        if starts_only && self.recording_starts {
+            // The last look's statement is still out: the next look takes its place.
+            return None;
+        }
+        if !starts_only && self.renewing {
             // A tick while a renewal is in flight: renew again as soon as it returns, so
             // one slow statement does not also cost the next interval.
             self.tick_missed = true;
@@ -143,19 +173,45 @@ impl LeaseRenewer {
         if self.running.is_empty() {
             return None;
         }
-        let jobs = self.newest();
-        let sent_jobs: HashMap<JobId, Generation> = jobs.iter().copied().collect();
-        self.renewing = true;
+        let jobs: Vec<(JobId, Generation, bool)> = self
+            .newest()
+            .into_iter()
+            .filter_map(|(id, generation)| {
+                let ctx = self.running.get(&(id, generation))?;
+                let ctx = ctx.value();
+                if starts_only && (!ctx.start_unrecorded() || ctx.is_ending()) {
+                    return None;
+                }
+                Some((id, generation, ctx.has_started()))
+            })
+            .collect();
+        if jobs.is_empty() {
+            return None;
+        }
+        let sent_jobs: HashMap<JobId, (Generation, bool)> =
+            jobs.iter().map(|&(j, g, s)| (j, (g, s))).collect();
+        // Separate flags: a starts-only pass in flight never makes a full renewal (or a
+        // `RenewNow`) wait or skip.
+        if starts_only {
+            self.recording_starts = true;
+        } else {
+            self.renewing = true;
+        }
         let store = self.store.clone();
         let owner = self.owner.clone();
         let lease = self.lease;
         let limit = self.answer_within();
         let asked = Instant::now();
-        let renewal =
-            async move { tokio::time::timeout(limit, store.renew(&owner, &jobs, lease)).await };
+        let renewal = async move {
+            tokio::time::timeout(limit, store.renew_recording(&owner, &jobs, lease)).await
+        };
         Some(renewal.into_actor(self).map(move |res, act, ctx| {
-            act.renewing = false;
-            if std::mem::take(&mut act.tick_missed) {
+            if starts_only {
+                act.recording_starts = false;
+            } else {
+                act.renewing = false;
+            }
+            if !starts_only && std::mem::take(&mut act.tick_missed) {
                 if let Some(f) = act.renew_once() {
                     ctx.spawn(f.map(|_, _, _| ()));
                 }
@@ -208,10 +264,10 @@ impl LeaseRenewer {
         &mut self,
         report: crate::store::RenewReport,
         sent: Instant,
-        generation_of: &HashMap<JobId, Generation>,
+        generation_of: &HashMap<JobId, (Generation, bool)>,
     ) -> (usize, usize) {
         let attempt = |id: &JobId| {
-            generation_of.get(id).and_then(|g| {
+            generation_of.get(id).map(|(g, _)| g).and_then(|g| {
                 self.running
                     .get(&(*id, *g))
                     .map(|e| (*g, e.value().clone()))
@@ -225,6 +281,9 @@ impl LeaseRenewer {
         for (id, _) in &report.renewed {
             if let Some((_, ctx)) = attempt(id) {
                 ctx.confirm_lease(deadline);
+                if generation_of.get(id).is_some_and(|(_, started)| *started) {
+                    ctx.start_recorded();
+                }
             }
         }
         for id in &report.cancel_requested {
@@ -253,6 +312,11 @@ impl Actor for LeaseRenewer {
         ctx.set_mailbox_capacity(self.capacity);
         ctx.run_interval(self.interval, |act, ctx| {
             if let Some(f) = act.renew_once() {
+                ctx.spawn(f.map(|_, _, _| ()));
+            }
+        });
+        ctx.run_interval(START_RECORD_EVERY.min(self.interval), |act, ctx| {
+            if let Some(f) = act.renew(true) {
                 ctx.spawn(f.map(|_, _, _| ()));
             }
         });

@@ -3,8 +3,10 @@
 //! claimer then gives back what it claimed ahead of them).
 //!
 //! A cancel request names a job; every process checks its own running attempts, and
-//! the one running it cancels its handler with `CancelReason::Cancelled` at once. A
-//! request lost in a reconnect is still delivered by the attempt's next renewal.
+//! the one running it renews its leases at once: the renewal reads the row, and only a
+//! cancel the row records stops a handler (with `CancelReason::Cancelled`). A
+//! notification is a hint, never a fact: anyone may NOTIFY any channel, and a request
+//! lost in a reconnect is still delivered by the attempt's next renewal.
 //!
 //! # Lifecycle
 //! Runs on the maintenance arbiter on its own connection: to the host pool's address,
@@ -23,9 +25,8 @@ use sqlx::postgres::{PgListener, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::claimer::{Claimer, PausesChanged, Wake};
-use super::lease_renewer::Running;
+use super::lease_renewer::{LeaseRenewer, RenewNow, Running};
 use super::Metered;
-use crate::context::CancelReason;
 use crate::metrics::Metrics;
 
 /// The channels: enqueue wake-ups (and resumed queues), cancel requests, and paused
@@ -41,6 +42,7 @@ pub(crate) struct Listener {
     pool: PgPool,
     channels: Channels,
     claimer: Metered<Claimer>,
+    renewer: Metered<LeaseRenewer>,
     running: Running,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
@@ -51,6 +53,7 @@ impl Listener {
         pool: PgPool,
         channels: Channels,
         claimer: Metered<Claimer>,
+        renewer: Metered<LeaseRenewer>,
         running: Running,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -58,6 +61,7 @@ impl Listener {
             pool,
             channels,
             claimer,
+            renewer,
             running,
             metrics,
             stop: CancellationToken::new(),
@@ -65,32 +69,39 @@ impl Listener {
     }
 }
 
-/// An operator cancelled job `payload` (its id): cancel the attempts running it here.
-fn cancel_requested(running: &Running, metrics: &Metrics, payload: &str) {
+/// Someone says job `payload` (its id) was cancelled. When it runs here, renew at once:
+/// the renewal reads the row and stops the attempt only if the row records a cancel
+/// request for it (see the module docs). Costs one renewal statement per notification
+/// that names a job running here; other payloads cost nothing.
+fn cancel_hinted(running: &Running, renewer: &Metered<LeaseRenewer>, payload: &str) {
     let Ok(id) = payload.parse::<i64>() else {
         return;
     };
-    for entry in running.iter().filter(|e| e.key().0 .0 == id) {
-        let ctx = entry.value();
-        if ctx.cancel_reason().is_none() {
-            metrics.incr(|c| &c.cancels_requested);
-            tracing::info!(
-                job = id,
-                "leasehold cancel requested by an operator; stopping the attempt"
-            );
-            ctx.cancel(CancelReason::Cancelled);
-        }
+    if running.iter().any(|e| e.key().0 .0 == id) {
+        tracing::debug!(
+            job = id,
+            "leasehold cancel hinted; renewing now to read the row"
+        );
+        let _ = renewer.tell(RenewNow);
     }
 }
 
-async fn listen_loop(
-    pool: PgPool,
+struct Listening {
     channels: Channels,
     claimer: Metered<Claimer>,
+    renewer: Metered<LeaseRenewer>,
     running: Running,
     metrics: Arc<Metrics>,
-    stop: CancellationToken,
-) {
+}
+
+async fn listen_loop(pool: PgPool, on: Listening, stop: CancellationToken) {
+    let Listening {
+        channels,
+        claimer,
+        renewer,
+        running,
+        metrics,
+    } = on;
     let mut pause = Duration::from_millis(50);
     let mut first = true;
     while !stop.is_cancelled() {
@@ -136,7 +147,7 @@ async fn listen_loop(
                 }
                 n = listener.try_recv() => match n {
                     Ok(Some(n)) if n.channel() == channels.cancel => {
-                        cancel_requested(&running, &metrics, n.payload());
+                        cancel_hinted(&running, &renewer, n.payload());
                     }
                     Ok(Some(n)) if n.channel() == channels.pause => {
                         let _ = claimer.tell(PausesChanged);
@@ -159,14 +170,14 @@ impl Actor for Listener {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        let fut = listen_loop(
-            self.pool.clone(),
-            self.channels.clone(),
-            self.claimer.clone(),
-            self.running.clone(),
-            self.metrics.clone(),
-            self.stop.clone(),
-        );
+        let on = Listening {
+            channels: self.channels.clone(),
+            claimer: self.claimer.clone(),
+            renewer: self.renewer.clone(),
+            running: self.running.clone(),
+            metrics: self.metrics.clone(),
+        };
+        let fut = listen_loop(self.pool.clone(), on, self.stop.clone());
         ctx.spawn(fut.into_actor(self));
     }
 }

@@ -11,11 +11,16 @@
 //! number of reapers, in any number of processes, may run at once: the store's reap is
 //! one guarded statement. It never consults the handler registry.
 //!
-//! Each pass first writes the scheduler's heartbeat (the live-schedulers table that
+//! Each pass also writes the scheduler's heartbeat (the live-schedulers table that
 //! `leasehold status` and the dashboard show); `Stop` deletes it.
 //!
 //! # Failure
-//! A failed pass is counted and retried at the next tick.
+//! The three parts of a pass are independent: the heartbeat is informational, so its
+//! failure (a runtime role granted before the migration that added `schedulers`, say)
+//! is counted in `informational_write_failures`, shown as the snapshot's
+//! `informational_error` and logged once per distinct error, and never stops the reap or
+//! the retention that follow. A failed reap or prune is counted in `db_errors` and
+//! retried at the next tick; one does not stop the other.
 
 use std::sync::Arc;
 
@@ -91,55 +96,81 @@ impl Reaper {
         let prune_keys = self.passes % KEY_PRUNE_EVERY == 1;
         let heartbeat = self.heartbeat.clone();
         async move {
-            store.heartbeat(&heartbeat).await?;
-            let mut total = ReapReport::default();
-            loop {
-                let report = store.reap(&owner, &backoff, batch, None).await?;
-                let n = report.retried.len() + report.dead.len() + report.cancelled.len();
-                total.retried.extend(report.retried);
-                total.dead.extend(report.dead);
-                total.cancelled.extend(report.cancelled);
-                if (n as i64) < batch {
-                    break;
-                }
-            }
-            if let Some(keep) = retention {
-                let mut pruned = store.prune_jobs(keep, PRUNE_BATCH).await?;
-                if prune_keys {
-                    pruned.keys = store.prune_keys(PRUNE_BATCH).await?;
-                }
-                if pruned != Default::default() {
-                    tracing::info!(
-                        jobs = pruned.jobs,
-                        effects = pruned.effects,
-                        keys = pruned.keys,
-                        "leasehold retention pruned"
-                    );
-                }
-            }
-            Ok(total)
+            // Informational first, but never in the way: its error is only reported.
+            let beat = store.heartbeat(&heartbeat).await;
+            let reaped = reap_all(&store, &owner, &backoff, batch).await;
+            let pruned = match retention {
+                Some(keep) => Some(prune(&store, keep, prune_keys).await),
+                None => None,
+            };
+            (beat, reaped, pruned)
         }
         .into_actor(self)
-        .map(|res: Result<ReapReport>, act, _| {
+        .map(|(beat, reaped, pruned), act, _| {
             act.busy = false;
-            match &res {
+            act.metrics.informational_write(beat.err().as_ref());
+            if let Some(Err(e)) = &pruned {
+                act.pass_failed("retention", e);
+            }
+            match &reaped {
                 Ok(r) => act.metrics.add(
                     |c| &c.reaped,
                     (r.retried.len() + r.dead.len() + r.cancelled.len()) as u64,
                 ),
-                // A tick that was in flight when the scheduler stopped finds its pool
-                // closed by the stop: nothing failed, and there is no next tick.
-                Err(Error::Database(sqlx::Error::PoolClosed)) => {
-                    tracing::debug!("leasehold reap ended by shutdown");
-                }
-                Err(e) => {
-                    act.metrics.incr(|c| &c.db_errors);
-                    tracing::warn!(error = %e, "leasehold reap failed; retrying next tick");
-                }
+                Err(e) => act.pass_failed("reap", e),
             }
-            res
+            reaped
         })
     }
+
+    fn pass_failed(&self, what: &str, e: &Error) {
+        // A tick that was in flight when the scheduler stopped finds its pool closed by
+        // the stop: nothing failed, and there is no next tick.
+        if matches!(e, Error::Database(sqlx::Error::PoolClosed)) {
+            tracing::debug!("leasehold {what} ended by shutdown");
+            return;
+        }
+        self.metrics.incr(|c| &c.db_errors);
+        tracing::warn!(error = %e, "leasehold {what} failed; retrying next tick");
+    }
+}
+
+/// Reap until no expired lease is left, in batches.
+async fn reap_all(
+    store: &Store,
+    owner: &OwnerId,
+    backoff: &Backoff,
+    batch: i64,
+) -> Result<ReapReport> {
+    let mut total = ReapReport::default();
+    loop {
+        let report = store.reap(owner, backoff, batch, None).await?;
+        let n = report.retried.len() + report.dead.len() + report.cancelled.len();
+        total.retried.extend(report.retried);
+        total.unstarted.extend(report.unstarted);
+        total.dead.extend(report.dead);
+        total.cancelled.extend(report.cancelled);
+        if (n as i64) < batch {
+            return Ok(total);
+        }
+    }
+}
+
+/// One retention pass: finished jobs past `keep`, and (when `keys`) idle key rows.
+async fn prune(store: &Store, keep: std::time::Duration, keys: bool) -> Result<()> {
+    let mut pruned = store.prune_jobs(keep, PRUNE_BATCH).await?;
+    if keys {
+        pruned.keys = store.prune_keys(PRUNE_BATCH).await?;
+    }
+    if pruned != Default::default() {
+        tracing::info!(
+            jobs = pruned.jobs,
+            effects = pruned.effects,
+            keys = pruned.keys,
+            "leasehold retention pruned"
+        );
+    }
+    Ok(())
 }
 
 impl Actor for Reaper {
@@ -150,11 +181,10 @@ impl Actor for Reaper {
         let (store, heartbeat) = (self.store.clone(), self.heartbeat.clone());
         ctx.spawn(
             async move {
-                if let Err(e) = store.heartbeat(&heartbeat).await {
-                    tracing::warn!(error = %e, "leasehold: the first heartbeat failed; the reaper's passes write it again");
-                }
+                store.heartbeat(&heartbeat).await
             }
-            .into_actor(self),
+            .into_actor(self)
+            .map(|beat, act, _| act.metrics.informational_write(beat.err().as_ref())),
         );
         ctx.run_interval(self.interval, |act, ctx| {
             if !act.busy {

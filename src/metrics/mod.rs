@@ -213,6 +213,10 @@ counters! {
     listener_reconnects,
     /// Database errors seen by actors (each retried or left to the lease).
     db_errors,
+    /// Informational writes that failed (the scheduler's heartbeat row): nothing of the
+    /// protocol waits on them, so they are only counted, logged once per distinct error
+    /// and shown in [`MetricsSnapshot::informational_error`].
+    informational_write_failures,
 }
 
 /// Shared metrics of one scheduler.
@@ -231,6 +235,8 @@ pub struct Metrics {
     pub(crate) sequencers: AtomicU64,
     /// Claimed jobs waiting in this process for a free slot now.
     pub(crate) ready: AtomicU64,
+    /// The latest informational write's error, until one succeeds again.
+    informational: std::sync::Mutex<Option<String>>,
 }
 
 impl Metrics {
@@ -244,6 +250,32 @@ impl Metrics {
 
     pub(crate) fn add(&self, counter: impl Fn(&Counters) -> &AtomicU64, n: u64) {
         counter(&self.counters).fetch_add(n, Relaxed);
+    }
+
+    /// How an informational write (see `informational_write_failures`) went: a failure
+    /// is counted, and logged when its text differs from the one before (a database
+    /// that refuses every heartbeat logs once, not every pass); a success after failures
+    /// is logged once and clears the snapshot's `informational_error`.
+    pub(crate) fn informational_write(&self, error: Option<&crate::Error>) {
+        let mut last = self
+            .informational
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match error {
+            Some(e) => {
+                self.incr(|c| &c.informational_write_failures);
+                let text = e.to_string();
+                if last.as_deref() != Some(text.as_str()) {
+                    tracing::warn!(error = %text, "leasehold could not write the scheduler's heartbeat (informational: jobs, leases and retention go on)");
+                    *last = Some(text);
+                }
+            }
+            None => {
+                if last.take().is_some() {
+                    tracing::info!("leasehold heartbeat written again");
+                }
+            }
+        }
     }
 
     pub(crate) fn record_claim(&self, took: Duration) {
@@ -285,6 +317,11 @@ impl Metrics {
             in_flight: self.in_flight.load(Relaxed),
             sequencers: self.sequencers.load(Relaxed),
             ready: self.ready.load(Relaxed),
+            informational_error: self
+                .informational
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             claim_latency: self.claim_latency.summary(),
             enqueue_to_start: self.start_latency.summary(),
             claim_histogram: self.claim_latency.snapshot(),
@@ -307,6 +344,10 @@ pub struct MetricsSnapshot {
     /// Claimed jobs waiting in this process for a free slot (claimed ahead, or a key's
     /// successor claimed while every slot was busy).
     pub ready: u64,
+    /// The latest informational write's error (the scheduler's heartbeat row), while
+    /// they fail; `None` when the latest succeeded. Jobs, leases and retention never wait
+    /// on these writes.
+    pub informational_error: Option<String>,
     /// Time of claim statements.
     pub claim_latency: LatencySummary,
     /// Database time from enqueue (or run-at) to claim, first attempts only.

@@ -44,7 +44,7 @@ use crate::job::{Enqueued, JobId, NewJob, OwnerId};
 use crate::metrics::MetricsSnapshot;
 use crate::periodic::Periodic;
 use crate::store::{QueueStats, ReapReport, Store};
-use runtime::Core;
+use runtime::{Core, StopOnDrop};
 
 /// Collects handlers, then starts the scheduler.
 pub struct SchedulerBuilder {
@@ -70,12 +70,15 @@ impl SchedulerBuilder {
     }
 
     /// Validate the config, migrate the schema, start the actors (on the scheduler's
-    /// own thread). Call it from any async context.
+    /// own thread). Call it from any async context. Behind a transaction-mode pooler
+    /// without `store.transaction_pooler`, the migration step refuses (see
+    /// [`Store::migrate`]). A caller that stops waiting (a timeout drops this future)
+    /// leaves nothing running: a scheduler whose actors had started shuts itself down.
     pub async fn start(self) -> Result<Scheduler> {
-        let core = runtime::start(self.pool, self.config, self.registry, self.schedules).await?;
+        let started = runtime::start(self.pool, self.config, self.registry, self.schedules).await?;
         Ok(Scheduler {
-            _guard: Arc::new(DropGuard(core.clone())),
-            core,
+            core: started.0.clone(),
+            _guard: Arc::new(started),
         })
     }
 }
@@ -88,20 +91,7 @@ impl SchedulerBuilder {
 pub struct Scheduler {
     core: Arc<Core>,
     /// Shared by the handles only: its drop means the last handle is gone.
-    _guard: Arc<DropGuard>,
-}
-
-struct DropGuard(Arc<Core>);
-
-impl Drop for DropGuard {
-    fn drop(&mut self) {
-        let core = self.0.clone();
-        if core.report.initialized() {
-            return;
-        }
-        tracing::warn!(owner = %core.env.owner, "leasehold scheduler dropped without shutdown(); shutting down in the background");
-        core.stop_in_background();
-    }
+    _guard: Arc<StopOnDrop>,
 }
 
 /// What a shutdown did.
@@ -214,7 +204,7 @@ impl Scheduler {
     /// runs it.
     fn ours(&self, mut job: NewJob) -> Result<NewJob> {
         let env = self.env();
-        if self.core.report.initialized() || env.stop_claiming.is_cancelled() {
+        if self.core.stop_begun() || env.stop_claiming.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
         let Some(handler) = env.registry.get(&job.kind) else {
@@ -295,16 +285,14 @@ impl Scheduler {
     /// Stop: no new claims; running attempts get `shutdown_grace` to finish; the rest are
     /// cancelled and their jobs released at once (claimable by any worker). Returns when
     /// every actor has stopped and the scheduler's own connections are closed.
-    /// Idempotent: a second call (from any clone) waits for the first and returns the
-    /// same report. It runs on the scheduler's own thread, so it works from any runtime
-    /// or thread, also after the host's actix `System` stopped (actix-web's signal
-    /// handling does that on SIGTERM).
+    /// Idempotent: the shutdown runs once, and every call (from any clone, at any time)
+    /// waits for it and returns its report. It runs on the scheduler's own thread, so it
+    /// works from any runtime or thread, also after the host's actix `System` stopped
+    /// (actix-web's signal handling does that on SIGTERM). A caller that stops waiting
+    /// (a timeout drops this future) does not stop or restart it: the shutdown goes on
+    /// to its end, and a later call returns its report.
     pub async fn shutdown(&self) -> Result<ShutdownReport> {
-        let core = self.core.clone();
-        Ok(core
-            .report
-            .get_or_init(|| core.clone().stop())
-            .await
-            .clone())
+        self.core.begin_stop();
+        Ok(self.core.stopped().await)
     }
 }

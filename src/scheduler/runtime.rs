@@ -25,7 +25,16 @@
 //! shutdown runs on the scheduler's thread too, so any caller (another runtime, another
 //! thread, a `Drop`) can start it and wait for its report; at its end the `System`
 //! stops and the thread ends.
+//!
+//! # Callers that stop waiting
+//! Whoever stops waiting (a `tokio::time::timeout` around `start` or `shutdown` drops
+//! its future) changes nothing the scheduler does. The shutdown is begun by a plain
+//! function call ([`Core::begin_stop`]) and runs as a task of the scheduler's own, once,
+//! to its end; every caller, the first included, only waits for the one report it
+//! publishes ([`Core::stopped`]). A scheduler whose `start` caller went away before it
+//! got the handle is shut down by the [`StopOnDrop`] it would have got.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -66,11 +75,50 @@ pub(super) struct Core {
     /// The scheduler's own `System`: its arbiter runs the shutdown.
     system: System,
     /// The handlers' runtime, when `Config::handler_threads` asks for one.
-    handler_runtime: std::sync::Mutex<Option<tokio::runtime::Runtime>>,
-    /// Answered once the scheduler's thread has dropped its runtime (see [`Core::stop`]).
-    thread_ended: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
-    /// Set once by the first shutdown; later calls get the same report.
-    pub report: tokio::sync::OnceCell<ShutdownReport>,
+    handler_runtime: std::sync::Mutex<HandlerRuntime>,
+    /// Cancelled when the scheduler's thread has ended (its runtime dropped), however it
+    /// ended; any number of callers can wait for it.
+    thread_ended: CancellationToken,
+    /// Set by the first [`Core::begin_stop`]: the shutdown runs once.
+    stop_begun: AtomicBool,
+    /// The shutdown's report once it is written, for every caller of [`Core::stopped`].
+    /// A watch channel rather than a `OnceCell` filled by the first caller's future:
+    /// that future can be dropped half-way, and the report with it.
+    report: tokio::sync::watch::Sender<Option<ShutdownReport>>,
+}
+
+/// The handlers' runtime of its own (`Config::handler_threads = Some(n)`, n > 0). A
+/// runtime may not be dropped where blocking is not allowed (inside another runtime,
+/// where `start` and the shutdown run), so it is always stopped in the background.
+struct HandlerRuntime(Option<tokio::runtime::Runtime>);
+
+impl HandlerRuntime {
+    fn stop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for HandlerRuntime {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The scheduler as `start` hands it over: dropped without a shutdown having begun (the
+/// last handle gone, or a `start` whose caller stopped waiting before it got this), it
+/// begins the shutdown in the background.
+pub(super) struct StopOnDrop(pub Arc<Core>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if self.0.stop_begun() {
+            return;
+        }
+        tracing::warn!(owner = %self.0.env.owner, "leasehold scheduler dropped without shutdown(); shutting down in the background");
+        self.0.begin_stop();
+    }
 }
 
 /// What the scheduler's thread sends back once its actors run.
@@ -151,7 +199,7 @@ pub(super) async fn start(
     config: Config,
     registry: Registry,
     mut schedules: Vec<Periodic>,
-) -> Result<Arc<Core>> {
+) -> Result<StopOnDrop> {
     config.validate()?;
     check_schedules(&config, &mut schedules)?;
     if registry.kinds().is_empty() {
@@ -181,47 +229,56 @@ pub(super) async fn start(
         }
         None => (None, Handlers::Runtime(tokio::runtime::Handle::current())),
     };
+    let handler_runtime = HandlerRuntime(handler_runtime);
     let side = SidePools {
         connect: (*pool.connect_options()).clone(),
         owner: owner.clone(),
         config: config.clone(),
     };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let (ended_tx, ended_rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) = tokio::sync::oneshot::channel::<StopOnDrop>();
+    let thread_ended = CancellationToken::new();
+    let ended = thread_ended.clone();
     let name = format!("leasehold {}", owner.short());
     std::thread::Builder::new()
         .name(name)
         .spawn(move || {
+            // Dropped last, after `run` has dropped the runtime, or in a panic's unwind.
+            let _ended = ended.drop_guard();
             let system = System::new();
             system.block_on(async move {
-                let started = build(side, config, registry, host_store, handlers, schedules);
-                let _ = tx.send(started);
+                let s = build(side, config, registry, host_store, handlers, schedules);
+                let core = Arc::new(Core {
+                    env: s.env,
+                    claimer: s.claimer,
+                    reaper: s.reaper,
+                    listener: s.listener,
+                    periodic: s.periodic,
+                    maintenance: std::sync::Mutex::new(Some(s.maintenance)),
+                    system: s.system,
+                    handler_runtime: std::sync::Mutex::new(handler_runtime),
+                    thread_ended,
+                    stop_begun: AtomicBool::new(false),
+                    report: tokio::sync::watch::Sender::new(None),
+                });
+                // If `start`'s caller stopped waiting, the handle comes back (or is
+                // dropped with the channel) and its drop begins the shutdown, which
+                // `run` below then runs: no scheduler runs on without a handle.
+                let _ = tx.send(StopOnDrop(core));
             });
             // Until the shutdown stops this System; `run` drops its runtime on return.
             let _ = system.run();
-            let _ = ended_tx.send(());
         })
         .map_err(|e| Error::Config {
             field: "scheduler",
             reason: format!("cannot start the scheduler's thread: {e}"),
         })?;
-    let s = rx.await.map_err(|_| Error::Config {
+    let started = rx.await.map_err(|_| Error::Config {
         field: "scheduler",
         reason: "the scheduler's thread ended while starting".into(),
     })?;
-    tracing::info!(owner = %s.env.owner, queues = ?s.env.config.queues, kinds = ?s.env.kinds, "leasehold scheduler started");
-    Ok(Arc::new(Core {
-        env: s.env,
-        claimer: s.claimer,
-        reaper: s.reaper,
-        listener: s.listener,
-        periodic: s.periodic,
-        maintenance: std::sync::Mutex::new(Some(s.maintenance)),
-        system: s.system,
-        handler_runtime: std::sync::Mutex::new(handler_runtime),
-        thread_ended: std::sync::Mutex::new(Some(ended_rx)),
-        report: tokio::sync::OnceCell::new(),
-    }))
+    let env = &started.0.env;
+    tracing::info!(owner = %env.owner, queues = ?env.config.queues, kinds = ?env.kinds, "leasehold scheduler started");
+    Ok(started)
 }
 
 /// Build the pools and start the actors; runs inside the scheduler's `System`.
@@ -328,8 +385,16 @@ fn build(
             pause: store.schema().pause_channel(),
         };
         let (claimer, metrics, side) = (claimer.clone(), metrics.clone(), side.clone());
+        let renewer = env.renewer.clone();
         Listener::start_in_arbiter(&maintenance.handle(), move |_| {
-            Listener::new(side.listener(options), channels, claimer, running, metrics)
+            Listener::new(
+                side.listener(options),
+                channels,
+                claimer,
+                renewer,
+                running,
+                metrics,
+            )
         })
     });
     // On the scheduler's own arbiter, beside the claimer: the writer pool it uses was
@@ -368,7 +433,21 @@ where
 
 /// Take what `slot` holds, once, whatever a panic elsewhere left in its lock.
 fn take_once<T>(slot: &std::sync::Mutex<Option<T>>) -> Option<T> {
-    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+    lock(slot).take()
+}
+
+/// `slot`'s lock, whatever a panic elsewhere left in it.
+fn lock<T>(slot: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Publishes [`Core::gone_report`] when dropped, unless a report is kept already.
+struct PublishOnDrop(Arc<Core>);
+
+impl Drop for PublishOnDrop {
+    fn drop(&mut self) {
+        self.0.publish(self.0.gone_report());
+    }
 }
 
 /// How long a shutdown waits for the scheduler's thread to end after its actors stopped
@@ -376,39 +455,87 @@ fn take_once<T>(slot: &std::sync::Mutex<Option<T>>) -> Option<T> {
 const THREAD_END_WAIT: Duration = Duration::from_secs(5);
 
 impl Core {
-    /// Run the shutdown on the scheduler's thread and wait for its report: from any
-    /// runtime or thread, whatever became of the host's.
-    pub async fn stop(self: Arc<Self>) -> ShutdownReport {
-        let (tx, rx) = tokio::sync::oneshot::channel();
+    /// Whether the shutdown has begun (it may still be running).
+    pub fn stop_begun(&self) -> bool {
+        self.stop_begun.load(Ordering::SeqCst)
+    }
+
+    /// Begin the shutdown unless it has begun, and return at once: it runs as a task on
+    /// the scheduler's thread, once, to its end, whoever waits for it (see
+    /// [`Core::stopped`]). Claiming stops at once.
+    pub fn begin_stop(self: &Arc<Self>) {
+        if self.stop_begun.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.env.stop_claiming.cancel();
         let me = self.clone();
         let linger = self.lingers_for_host_pool();
         let spawned = self.system.arbiter().spawn(async move {
+            // Should this task end before its report (a panic in it), the callers get
+            // the report of a scheduler that was already gone instead of waiting on.
+            let _fallback = PublishOnDrop(me.clone());
             let report = me.run_shutdown().await;
-            let _ = tx.send(report);
+            lock(&me.handler_runtime).stop();
+            me.publish(report);
             if let Some(host_pool) = &linger {
                 host_pool.close_event().await;
             }
             System::current().stop();
         });
-        let report = match (spawned, rx.await) {
-            (true, Ok(report)) => report,
-            _ => {
-                tracing::warn!(owner = %self.env.owner, "leasehold scheduler thread was already gone at shutdown");
-                ShutdownReport {
-                    drained: 0,
-                    cancelled: self.env.running.len() as u64,
-                    metrics: self.env.metrics.snapshot(),
-                }
-            }
-        };
-        let handlers = take_once(&self.handler_runtime);
-        if let Some(rt) = handlers {
-            rt.shutdown_background();
+        if !spawned {
+            tracing::warn!(owner = %self.env.owner, "leasehold scheduler thread was already gone at shutdown; leases of what it held will expire");
+            lock(&self.handler_runtime).stop();
+            self.publish(self.gone_report());
         }
-        if self.lingers_for_host_pool().is_none() {
-            self.wait_for_thread_end().await;
+    }
+
+    /// Wait for the shutdown's report (begun by [`Core::begin_stop`]), then (at most
+    /// [`THREAD_END_WAIT`]) for the scheduler's thread to end, so nothing of it runs once
+    /// this returns. Dropping this future changes nothing but this caller's wait.
+    pub async fn stopped(&self) -> ShutdownReport {
+        let mut published = self.report.subscribe();
+        let report = tokio::select! {
+            biased;
+            r = published.wait_for(Option::is_some) => r.ok().and_then(|r| r.clone()),
+            _ = self.thread_ended.cancelled() => None,
+        };
+        let report = report.unwrap_or_else(|| {
+            // The thread ended without a report (it panicked): what is known here.
+            self.publish(self.gone_report());
+            self.report
+                .borrow()
+                .clone()
+                .unwrap_or_else(|| self.gone_report())
+        });
+        if self.lingers_for_host_pool().is_none()
+            && tokio::time::timeout(THREAD_END_WAIT, self.thread_ended.cancelled())
+                .await
+                .is_err()
+        {
+            tracing::warn!(owner = %self.env.owner, "leasehold scheduler thread did not end in time after shutdown");
         }
         report
+    }
+
+    /// Keep `report` as the shutdown's, unless one is kept already.
+    fn publish(&self, report: ShutdownReport) {
+        self.report.send_if_modified(|slot| {
+            if slot.is_some() {
+                return false;
+            }
+            *slot = Some(report);
+            true
+        });
+    }
+
+    /// The report of a shutdown that could not run on the scheduler's thread: nothing
+    /// drained, every attempt still registered cancelled (its lease expires).
+    fn gone_report(&self) -> ShutdownReport {
+        ShutdownReport {
+            drained: 0,
+            cancelled: self.env.running.len() as u64,
+            metrics: self.env.metrics.snapshot(),
+        }
     }
 
     /// With `handler_threads = Some(0)` the scheduler's thread outlives its shutdown until
@@ -421,32 +548,6 @@ impl Core {
     /// process exits. `None` in every other mode.
     fn lingers_for_host_pool(&self) -> Option<PgPool> {
         (self.env.config.handler_threads == Some(0)).then(|| self.env.host_store.pool().clone())
-    }
-
-    /// Wait (at most [`THREAD_END_WAIT`]) until the scheduler's thread has dropped its
-    /// runtime, so nothing of it runs once `shutdown` has returned.
-    async fn wait_for_thread_end(&self) {
-        let ended = take_once(&self.thread_ended);
-        if let Some(ended) = ended {
-            if tokio::time::timeout(THREAD_END_WAIT, ended).await.is_err() {
-                tracing::warn!(owner = %self.env.owner, "leasehold scheduler thread did not end in time after shutdown");
-            }
-        }
-    }
-
-    /// Start the shutdown from anywhere without waiting for it (the last handle was
-    /// dropped): it runs on the scheduler's own thread.
-    pub fn stop_in_background(self: Arc<Self>) {
-        self.env.stop_claiming.cancel();
-        let arbiter = self.system.arbiter().clone();
-        let spawned = arbiter.spawn(async move {
-            let _ = self.report.get_or_init(|| self.clone().stop()).await;
-        });
-        if !spawned {
-            tracing::warn!(
-                "leasehold scheduler thread was already gone; leases of what it held will expire"
-            );
-        }
     }
 
     async fn run_shutdown(&self) -> ShutdownReport {
@@ -542,14 +643,4 @@ fn in_flight(env: &Env) -> u64 {
     env.metrics
         .in_flight
         .load(std::sync::atomic::Ordering::SeqCst)
-}
-
-impl Drop for Core {
-    fn drop(&mut self) {
-        // A runtime may not be dropped where blocking is not allowed (inside another
-        // runtime): stop it in the background.
-        if let Some(rt) = take_once(&self.handler_runtime) {
-            rt.shutdown_background();
-        }
-    }
 }

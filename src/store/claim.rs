@@ -1,13 +1,16 @@
-//! Claim: the `claim` function of the schema (migrations/0003_claim.sql), one call that
-//! locks eligible jobs with `FOR UPDATE SKIP LOCKED` and commits the lease (state, owner,
-//! generation+1, attempts+1, lease_until) at once.
+//! Claim: the `claim_capped` function of the schema (migrations/0016_claim_caps.sql: the
+//! `claim` of 0003_claim.sql and 0011_claim_walks_once.sql with per-queue caps), one call
+//! that locks eligible jobs with `FOR UPDATE SKIP LOCKED` and commits the lease (state,
+//! owner, generation+1, attempts+1, lease_until) at once.
 //!
 //! Only `pending` rows are candidates and the claim index holds only those, so keyed
 //! backlogs (`waiting`) and history (terminal rows) are never scanned. The index leads
 //! with the queue and the priority, so with both fixed `available_at <= now` bounds the
 //! scan: delayed jobs and other queues' jobs are not walked either. The batch is bounded
 //! by `limit` (free slots) and by `byte_budget` (the first row may be taken past it, so
-//! one large job cannot starve, when the caller holds nothing else).
+//! one large job cannot starve, when the caller holds nothing else), and by `caps`: at
+//! most so many jobs of a capped queue, the rest of the limit open to the other queues in
+//! the same walk, so priorities hold across capped and uncapped queues alike.
 //!
 //! Why a function: the claim takes the priorities present one by one (an index probe
 //! each) and stops when it has enough, which one statement cannot express; and its SET
@@ -24,6 +27,7 @@
 //! present also returns where each queue's first pending entry is, and the locking scan
 //! starts there, so a claim steps over them once (migration 11; before, twice).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -39,15 +43,18 @@ const RETURNED: &str = "j.id, j.queue, j.kind, j.job_key, j.key_seq, j.priority,
 
 /// The claim function over the requested queues that are not paused: a pause takes
 /// effect for every claim that starts after it committed (see [`Store::pause_queue`]).
+/// The caps ($10, $11) are by name, so a paused queue's cap is simply unused.
 pub(super) const CLAIM: &str = r#"/* leasehold:claim */
-SELECT * FROM {s}.claim(
+SELECT * FROM {s}.claim_capped(
     ARRAY(SELECT u.q FROM unnest($1::text[]) u(q)
           WHERE NOT EXISTS (SELECT 1 FROM {s}.paused_queues p WHERE p.queue = u.q)),
-    $2, $3, $4, $9, $5, $6, $7, $8)"#;
+    $2, $3, $4, $9, $5, $6, $7, $8, $10, $11)"#;
 
 /// The function's inner queries (migration 11), for [`Store::explain_claim`]: the probe
 /// for each queue's first pending entry at or above a priority, and the locking scan of
-/// one priority level, which starts at the entries the probe found.
+/// one priority level, which starts at the entries the probe found. (The function's
+/// scan of a capped queue is limited by what is left of its cap as well; the plan is
+/// the same.)
 const EXPLAIN_PROBE: &str =
     "SELECT u.q, f.priority, f.available_at, f.id FROM unnest($1::text[]) u(q) \
      CROSS JOIN LATERAL (SELECT j.priority, j.available_at, j.id FROM {s}.jobs j \
@@ -111,6 +118,11 @@ pub struct ClaimRequest {
     /// large job cannot starve. A scheduler sets this only when it holds no payload
     /// bytes at all; otherwise a spent budget claims nothing. Default true.
     pub first_over_budget: bool,
+    /// At most this many jobs of each queue named here (0 or less: none of it); queues
+    /// not named are bounded by `limit` only. A cap is not a share: what a capped queue
+    /// has not got (nothing due, paused) goes to the other queues, in claim order.
+    /// Default empty: no caps.
+    pub caps: BTreeMap<String, i64>,
     /// Lease taken on each claimed job, from the database's clock at the claim.
     pub lease: Duration,
     /// Test clock: claim as if the database time were `at`.
@@ -128,6 +140,7 @@ impl ClaimRequest {
             limit,
             byte_budget: i64::MAX,
             first_over_budget: true,
+            caps: BTreeMap::new(),
             lease,
             at: None,
         }
@@ -165,9 +178,27 @@ pub(crate) fn claimed_from_row(row: &PgRow, owner: &OwnerId) -> Result<ClaimedJo
     })
 }
 
-/// The claim statement's nine parameters, in order, on any sqlx query builder.
+impl ClaimRequest {
+    /// The caps as the function takes them: names, and the caps at the same positions;
+    /// both NULL without caps.
+    fn cap_arrays(&self) -> (Option<Vec<&str>>, Option<Vec<i32>>) {
+        if self.caps.is_empty() {
+            return (None, None);
+        }
+        let names = self.caps.keys().map(String::as_str).collect();
+        let caps = self
+            .caps
+            .values()
+            .map(|&n| i32::try_from(n.max(0)).unwrap_or(i32::MAX))
+            .collect();
+        (Some(names), Some(caps))
+    }
+}
+
+/// The claim statement's eleven parameters, in order, on any sqlx query builder.
 macro_rules! bind_claim {
-    ($query:expr, $req:expr, $store:expr) => {
+    ($query:expr, $req:expr, $store:expr) => {{
+        let (capped, caps) = $req.cap_arrays();
         $query
             .bind(&$req.queues)
             .bind(&$req.kinds)
@@ -178,7 +209,9 @@ macro_rules! bind_claim {
             .bind(secs($req.lease))
             .bind($store.options().full_history)
             .bind($req.first_over_budget)
-    };
+            .bind(capped)
+            .bind(caps)
+    }};
 }
 
 pub(super) fn with_returned(template: &str) -> String {

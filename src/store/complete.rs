@@ -22,7 +22,7 @@ use sqlx::{PgConnection, Row};
 
 use super::claim::claimed_from_row;
 use super::keys::{Chain, KeyRef};
-use super::{secs, Store};
+use super::{check_json, secs, JsonLimit, Store};
 use crate::error::Result;
 use crate::job::{ClaimedJob, CompleteOutcome, Fence, Generation, JobId, OwnerId};
 
@@ -95,8 +95,24 @@ pub(crate) struct KeyedItem {
 }
 
 impl Store {
+    /// Refuse a result that cannot be stored or read back: a NUL, nesting deeper than
+    /// [`MAX_PAYLOAD_DEPTH`](super::MAX_PAYLOAD_DEPTH), or more than
+    /// [`StoreOptions::max_result_bytes`](super::StoreOptions::max_result_bytes).
+    fn check_result(&self, result: &Option<serde_json::Value>) -> Result<()> {
+        if let Some(value) = result {
+            let limit = JsonLimit {
+                bytes: self.options().max_result_bytes,
+                name: "store.max_result_bytes",
+            };
+            check_json("result", value, &limit)?;
+        }
+        Ok(())
+    }
+
     /// Complete a claimed job, storing `result`. Promotes the key's successor in the
-    /// same transaction.
+    /// same transaction. A result that cannot be stored or read back is refused with
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput) for `result` (see
+    /// [`Store::complete_in`]); nothing is written and the job stays running.
     pub async fn complete(
         &self,
         fence: &Fence,
@@ -113,12 +129,21 @@ impl Store {
     /// A keyed job's key row is locked until the caller commits: keep the transaction
     /// short (the key's next job cannot start before it ends). A handler calls
     /// [`JobContext::complete_in`](crate::JobContext::complete_in), which has an example.
+    ///
+    /// A result with a NUL, nested deeper than
+    /// [`MAX_PAYLOAD_DEPTH`](super::MAX_PAYLOAD_DEPTH) levels, or larger than
+    /// [`StoreOptions::max_result_bytes`](super::StoreOptions::max_result_bytes) is
+    /// refused before anything is sent ([`Error::InvalidInput`](crate::Error::InvalidInput)
+    /// for `result`): the caller's transaction is untouched and the job still running,
+    /// so it can complete with another result. The statements run in a savepoint of the
+    /// caller's transaction, so a failure of theirs leaves it usable too.
     pub async fn complete_in(
         &self,
         conn: &mut PgConnection,
         fence: &Fence,
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome> {
+        self.check_result(&result)?;
         let mut tx = self.begin(conn).await?;
         let row = sqlx::query(&self.sql().complete)
             .bind(fence.job.0)
@@ -147,7 +172,8 @@ impl Store {
     }
 
     /// Complete many jobs of one owner (keyed or not) in one transaction. Outcomes come
-    /// back in input order.
+    /// back in input order. One result that cannot be stored (as [`Store::complete`]
+    /// says) refuses the batch before anything is written.
     pub async fn complete_many(
         &self,
         owner: &OwnerId,
@@ -155,6 +181,9 @@ impl Store {
     ) -> Result<Vec<CompleteOutcome>> {
         if items.is_empty() {
             return Ok(Vec::new());
+        }
+        for (_, _, result) in items {
+            self.check_result(result)?;
         }
         let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
         let keys: HashMap<i64, KeyRef> = sqlx::query(&self.sql().keys_of)

@@ -67,7 +67,9 @@ impl Store {
     }
 
     /// [`Store::enqueue_copy`] inside the caller's transaction (in a savepoint): if it
-    /// rolls back, none of the jobs existed.
+    /// rolls back, none of the jobs existed. A refused load (an invalid job, or text an
+    /// index entry cannot hold: [`Error::InvalidInput`] naming the field) leaves the
+    /// caller's transaction usable, as [`Store::enqueue_in`] says.
     pub async fn enqueue_copy_in(&self, conn: &mut PgConnection, jobs: Vec<NewJob>) -> Result<u64> {
         if jobs.is_empty() {
             return Ok(0);
@@ -81,6 +83,8 @@ impl Store {
             });
         }
         let statement = &self.sql().enqueue_copy;
+        // What the database's refusal of a too-long index entry is put down to.
+        let text = super::input::IndexedText::of(&jobs);
 
         let unique = jobs.iter().any(|j| j.unique.is_some());
         if unique {
@@ -117,14 +121,16 @@ impl Store {
                 queues.push(job.queue_name());
             }
             if buf.len() >= CHUNK_BYTES {
-                copy.send(std::mem::take(&mut buf)).await?;
+                copy.send(std::mem::take(&mut buf))
+                    .await
+                    .map_err(|e| text.refusal(e.into()))?;
                 buf.reserve(CHUNK_BYTES + 4096);
             }
         }
         if !buf.is_empty() {
-            copy.send(buf).await?;
+            copy.send(buf).await.map_err(|e| text.refusal(e.into()))?;
         }
-        let written = copy.finish().await?;
+        let written = copy.finish().await.map_err(|e| text.refusal(e.into()))?;
         sqlx::query(&self.sql().enqueue_copy_notify)
             .bind(self.schema().channel())
             .bind(&queues)

@@ -11,8 +11,8 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
-use super::{secs, Store};
-use crate::error::Result;
+use super::{check_effect_key, check_json, check_name, secs, JsonLimit, Store};
+use crate::error::{Error, Result};
 use crate::job::{Fence, Generation, JobId};
 
 pub(super) const RECORD: &str = r#"/* leasehold:effect_record */
@@ -45,7 +45,15 @@ pub struct EffectRecord {
     /// another request is refused, not replayed.
     pub fingerprint: String,
     /// The recorded outcome, returned to any later attempt instead of acting again.
+    /// Null when it cannot be decoded (see `outcome_error`).
     pub outcome: serde_json::Value,
+    /// Set when the stored outcome cannot be decoded (one nested deeper than
+    /// [`MAX_PAYLOAD_DEPTH`](super::MAX_PAYLOAD_DEPTH), recorded before migration 17
+    /// made the schema refuse it): why. Only [`Store::job_effects`], the operator's view,
+    /// returns such a record; [`Store::effect`], which a handler's retry reads, refuses
+    /// it with [`Error::Decode`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome_error: Option<String>,
     /// When it was recorded (database clock).
     pub recorded_at: DateTime<Utc>,
     /// The ledger keeps the record at least until then (recorded at plus
@@ -53,13 +61,27 @@ pub struct EffectRecord {
     pub keep_until: DateTime<Utc>,
 }
 
-fn effect_from_row(r: &PgRow) -> Result<EffectRecord> {
+/// A ledger row. An outcome that cannot be decoded is [`Error::Decode`] (not a database
+/// error: no retry reads it, so a handler stops rather than tries again), or, for an
+/// operator's view (`lenient`), null with the reason, so the job can still be shown.
+fn effect_from_row(r: &PgRow, lenient: bool) -> Result<EffectRecord> {
+    let (outcome, outcome_error) = match r.try_get("outcome") {
+        Ok(outcome) => (outcome, None),
+        Err(e) if lenient => (serde_json::Value::Null, Some(e.to_string())),
+        Err(e) => {
+            return Err(Error::Decode {
+                what: "effect outcome",
+                reason: e.to_string(),
+            })
+        }
+    };
     Ok(EffectRecord {
         effect_key: r.try_get("effect_key")?,
         job: JobId(r.try_get("job_id")?),
         generation: Generation(r.try_get("generation")?),
         fingerprint: r.try_get("fingerprint")?,
-        outcome: r.try_get("outcome")?,
+        outcome,
+        outcome_error,
         recorded_at: r.try_get("recorded_at")?,
         keep_until: r.try_get("keep_until")?,
     })
@@ -77,28 +99,39 @@ pub enum RecordOutcome {
 }
 
 impl Store {
-    /// Look an effect up by its key.
+    /// Look an effect up by its key. A key that could not have been recorded (empty, or
+    /// with a NUL) is refused with [`Error::InvalidInput`].
     pub async fn effect(&self, effect_key: &str) -> Result<Option<EffectRecord>> {
+        check_name("effect key", effect_key)?;
         let row = sqlx::query(&self.sql().effect_lookup)
             .bind(effect_key)
             .fetch_optional(self.db())
             .await?;
-        row.as_ref().map(effect_from_row).transpose()
+        row.as_ref().map(|r| effect_from_row(r, false)).transpose()
     }
 
     /// The effects a job recorded, oldest first (for an operator looking at the job;
-    /// `effects_by_job` finds them).
+    /// `effects_by_job` finds them). A record whose outcome cannot be decoded comes back
+    /// with `outcome_error` set, so the job can still be looked at.
     pub async fn job_effects(&self, id: JobId) -> Result<Vec<EffectRecord>> {
         let sql = self.schema().render(
             "SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_until
              FROM {s}.effects WHERE job_id = $1 ORDER BY recorded_at, effect_key",
         );
         let rows = sqlx::query(&sql).bind(id.0).fetch_all(self.db()).await?;
-        rows.iter().map(effect_from_row).collect()
+        rows.iter().map(|r| effect_from_row(r, true)).collect()
     }
 
     /// Record an effect's outcome under the fence. `keep` is how long the ledger must
     /// keep it (at least the longest retry window).
+    ///
+    /// Refused before anything is written, with [`Error::InvalidInput`]: an effect key
+    /// that is empty, holds a NUL or is longer than
+    /// [`INDEXED_TEXT_ALWAYS_FITS`](super::INDEXED_TEXT_ALWAYS_FITS) bytes (`effect key`),
+    /// and an outcome that a later attempt could not read back — a NUL, nesting deeper
+    /// than [`MAX_PAYLOAD_DEPTH`](super::MAX_PAYLOAD_DEPTH), more than
+    /// [`StoreOptions::max_result_bytes`](super::StoreOptions::max_result_bytes) of JSON
+    /// (`effect outcome`).
     pub async fn record_effect(
         &self,
         fence: &Fence,
@@ -107,6 +140,13 @@ impl Store {
         outcome: &serde_json::Value,
         keep: Duration,
     ) -> Result<RecordOutcome> {
+        check_effect_key(effect_key)?;
+        check_name("fingerprint", fingerprint)?;
+        let limit = JsonLimit {
+            bytes: self.options().max_result_bytes,
+            name: "store.max_result_bytes",
+        };
+        check_json("effect outcome", outcome, &limit)?;
         let row = sqlx::query(&self.sql().effect_record)
             .bind(fence.job.0)
             .bind(fence.owner.as_str())

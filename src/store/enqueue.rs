@@ -9,8 +9,9 @@
 use chrono::Datelike;
 use sqlx::{Acquire, PgConnection};
 
+use super::input::IndexedText;
 use super::unique::{Resolution, Window};
-use super::{secs, Store};
+use super::{check_name, exec, secs, unstorable_json, Store, MAX_PAYLOAD_DEPTH};
 use crate::error::{Error, Result};
 use crate::job::{DeadKeyPolicy, Enqueued, JobId, NewJob};
 
@@ -71,11 +72,6 @@ SELECT id,
 FROM ins
 ORDER BY id"#;
 
-/// Deepest nesting of arrays and objects a payload may have. jsonb stores any depth,
-/// but serde_json refuses to read past 128 levels, so a deeper payload could be stored
-/// and then never be read back (or shown to an operator). Refused at enqueue instead.
-pub const MAX_PAYLOAD_DEPTH: usize = 127;
-
 /// The latest `run_at` any enqueue path accepts: PostgreSQL stores later times, but the
 /// COPY path's text format and most clients do not, and one rule holds for every path.
 pub(crate) fn latest_run_at() -> chrono::DateTime<chrono::Utc> {
@@ -86,6 +82,14 @@ pub(crate) fn latest_run_at() -> chrono::DateTime<chrono::Utc> {
 
 /// The longest delay accepted: 100 years.
 pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// What the checks of a job found, for its columns.
+#[derive(Clone, Copy)]
+struct Checked {
+    max_attempts: i32,
+    /// Bytes of the payload's JSON encoding.
+    payload_bytes: i32,
+}
 
 /// The columns of a batch, as arrays for `unnest`.
 #[derive(Default)]
@@ -103,63 +107,6 @@ struct Columns {
     unique_key: Vec<Option<String>>,
     unique_until: Vec<Option<chrono::DateTime<chrono::Utc>>>,
     unique_forever: Vec<bool>,
-}
-
-/// Refuse what PostgreSQL text cannot store. Everything else (quotes, SQL, non-ASCII,
-/// long strings) is stored unchanged: values are always bound parameters.
-pub(crate) fn check_name(field: &'static str, value: &str) -> Result<()> {
-    if value.is_empty() {
-        return Err(Error::InvalidInput {
-            field,
-            reason: "must not be empty".into(),
-        });
-    }
-    if value.contains('\0') {
-        return Err(Error::InvalidInput {
-            field,
-            reason: "contains a NUL byte, which PostgreSQL text cannot store".into(),
-        });
-    }
-    Ok(())
-}
-
-/// What PostgreSQL or serde_json cannot hold in a JSON value: a NUL in a string or an
-/// object key (jsonb refuses `\u0000`), or nesting deeper than `max_depth` (serde_json
-/// refuses to read it back). Walks the value with an explicit stack, so a hostile
-/// value cannot overflow this thread's stack.
-pub(crate) fn unstorable_json(value: &serde_json::Value, max_depth: usize) -> Option<String> {
-    let mut stack: Vec<(&serde_json::Value, usize)> = vec![(value, 0)];
-    while let Some((v, depth)) = stack.pop() {
-        match v {
-            serde_json::Value::String(s) if s.contains('\0') => {
-                return Some(
-                    "a string contains NUL (\\u0000), which PostgreSQL jsonb cannot store".into(),
-                )
-            }
-            serde_json::Value::Array(items) => {
-                if depth + 1 > max_depth {
-                    return Some(format!("nested deeper than {max_depth} levels"));
-                }
-                stack.extend(items.iter().map(|i| (i, depth + 1)));
-            }
-            serde_json::Value::Object(map) => {
-                if depth + 1 > max_depth {
-                    return Some(format!("nested deeper than {max_depth} levels"));
-                }
-                for (k, item) in map {
-                    if k.contains('\0') {
-                        return Some(
-                            "an object key contains NUL (\\u0000), which PostgreSQL jsonb cannot store"
-                                .into(),
-                        );
-                    }
-                    stack.push((item, depth + 1));
-                }
-            }
-            _ => {}
-        }
-    }
-    None
 }
 
 impl Store {
@@ -182,6 +129,13 @@ impl Store {
                 reason: format!("must be at least 1, got {max_attempts}"),
             });
         }
+        // Say so before the database does, in our words. Look at the values, not the
+        // encoded text: there an escaped backslash followed by "u0000" (no NUL at all)
+        // looks the same. And walk before encoding: the encoder recurses, and a payload
+        // 10,000 levels deep would overflow this thread's stack.
+        if let Some(reason) = unstorable_json(&job.payload, MAX_PAYLOAD_DEPTH) {
+            return Err(Error::InvalidPayload(reason));
+        }
         encoded.clear();
         serde_json::to_writer(&mut *encoded, &job.payload)
             .map_err(|e| Error::InvalidPayload(e.to_string()))?;
@@ -191,12 +145,6 @@ impl Store {
                 size: encoded.len(),
                 limit,
             });
-        }
-        // Say so before the database does, in our words. Look at the values, not the
-        // encoded text: there an escaped backslash followed by "u0000" (no NUL at all)
-        // looks the same.
-        if let Some(reason) = unstorable_json(&job.payload, MAX_PAYLOAD_DEPTH) {
-            return Err(Error::InvalidPayload(reason));
         }
         if let Some(at) = job.run_at {
             if at > latest_run_at() || at.year() < 1 {
@@ -220,13 +168,26 @@ impl Store {
         Ok(max_attempts)
     }
 
-    /// The statement's columns; `untils`: each job's unique window end (see
-    /// `store::unique`), in order.
-    fn columns(&self, jobs: Vec<(NewJob, Window)>) -> Result<Columns> {
-        let mut c = Columns::default();
+    /// [`Store::check_job`] of every job, before any statement: each job's max attempts
+    /// and payload size.
+    fn check_all(&self, jobs: &[NewJob]) -> Result<Vec<Checked>> {
         let mut encoded = Vec::new();
-        for (job, window) in jobs {
-            let max_attempts = self.check_job(&job, &mut encoded)?;
+        jobs.iter()
+            .map(|job| {
+                let max_attempts = self.check_job(job, &mut encoded)?;
+                Ok(Checked {
+                    max_attempts,
+                    payload_bytes: encoded.len() as i32,
+                })
+            })
+            .collect()
+    }
+
+    /// The statement's columns, of checked jobs with their unique windows (see
+    /// `store::unique`), in order.
+    fn columns(&self, jobs: Vec<(NewJob, Checked, Window)>) -> Columns {
+        let mut c = Columns::default();
+        for (job, checked, window) in jobs {
             let (until, forever) = window.params();
             c.unique_key
                 .push(job.unique.as_ref().map(|u| u.key.clone()));
@@ -238,13 +199,13 @@ impl Store {
             c.priority.push(job.priority);
             c.run_at.push(job.run_at);
             c.delay.push(job.delay.map(secs));
-            c.max_attempts.push(max_attempts);
+            c.max_attempts.push(checked.max_attempts);
             c.payload.push(job.payload);
-            c.payload_bytes.push(encoded.len() as i32);
+            c.payload_bytes.push(checked.payload_bytes);
             c.dead_blocks_key
                 .push(job.dead_key_policy == DeadKeyPolicy::Block);
         }
-        Ok(c)
+        c
     }
 
     /// Enqueue one job in its own transaction. A duplicate of a unique job
@@ -276,6 +237,16 @@ impl Store {
     /// existed. Wake-ups (NOTIFY) are delivered at commit. A unique job's key stays
     /// locked until then (a concurrent enqueuer of the same key waits for this
     /// transaction).
+    ///
+    /// A refused job leaves the caller's transaction usable, with nothing of the job
+    /// written: every check is made before the first statement is sent (names, payload,
+    /// attempts, times; see [`Error::InvalidInput`] and [`Error::InvalidPayload`]), and
+    /// what only PostgreSQL can judge — whether text longer than
+    /// [`INDEXED_TEXT_ALWAYS_FITS`](crate::store::INDEXED_TEXT_ALWAYS_FITS) bytes
+    /// compresses into an index entry — is written in a savepoint, whose refusal comes
+    /// back as [`Error::InvalidInput`] naming the field. A failure that is not the job's
+    /// (a lost connection, a lock timeout or deadlock the caller's own settings allow)
+    /// aborts the caller's transaction as any of its statements would.
     pub async fn enqueue_in(&self, conn: &mut PgConnection, job: NewJob) -> Result<JobId> {
         let ids = self.enqueue_many_in(conn, vec![job]).await?;
         Ok(ids[0])
@@ -314,7 +285,8 @@ impl Store {
     }
 
     /// [`Store::enqueue_many`] inside the caller's transaction (its NOTIFY is delivered
-    /// at the caller's commit).
+    /// at the caller's commit). One refused job refuses the batch and leaves the
+    /// caller's transaction usable, as [`Store::enqueue_in`] says.
     pub async fn enqueue_many_in(
         &self,
         conn: &mut PgConnection,
@@ -342,37 +314,57 @@ impl Store {
 
     /// Write the jobs, resolving unique ones first (in a transaction, or a savepoint of
     /// the caller's): each job's outcome, and the queues to wake when `notify` is off.
+    /// Every job is checked before the first statement.
     async fn write_resolving(
         &self,
         conn: &mut PgConnection,
         jobs: Vec<NewJob>,
         notify: bool,
     ) -> Result<(Vec<Enqueued>, Vec<String>)> {
+        let checked = self.check_all(&jobs)?;
+        let text = IndexedText::of(&jobs);
         if jobs.iter().all(|j| j.unique.is_none()) {
-            let rows = self
-                .write_jobs(
-                    conn,
-                    jobs.into_iter().map(|j| (j, Window::Open)).collect(),
-                    notify,
-                )
-                .await?;
+            let batch = jobs
+                .into_iter()
+                .zip(checked)
+                .map(|(j, c)| (j, c, Window::Open))
+                .collect();
+            // Text an index entry may refuse (only the database knows how well it
+            // compresses) goes in a savepoint inside the caller's transaction, so the
+            // refusal cannot abort it. Shorter text cannot be refused, and a statement of
+            // its own is atomic: neither pays the savepoint's two round trips.
+            let rows = if text.may_be_refused() && exec::in_transaction(conn) {
+                let mut savepoint = conn.begin().await?;
+                let rows = self
+                    .write_jobs(&mut savepoint, batch, notify)
+                    .await
+                    .map_err(|e| text.refusal(e))?;
+                savepoint.commit().await?;
+                rows
+            } else {
+                self.write_jobs(conn, batch, notify)
+                    .await
+                    .map_err(|e| text.refusal(e))?
+            };
             return Ok(written(rows));
         }
-        super::unique::check_unique_batch(&jobs)?;
         let mut tx = conn.begin().await?;
         let plan = self.resolve_unique(&mut tx, &jobs).await?;
-        let fresh: Vec<(NewJob, Window)> = jobs
+        let fresh: Vec<(NewJob, Checked, Window)> = jobs
             .into_iter()
+            .zip(checked)
             .zip(&plan)
-            .filter_map(|(job, r)| match r {
-                Resolution::Write(window) => Some((job, *window)),
+            .filter_map(|((job, c), r)| match r {
+                Resolution::Write(window) => Some((job, c, *window)),
                 _ => None,
             })
             .collect();
         let rows = if fresh.is_empty() {
             Vec::new()
         } else {
-            self.write_jobs(&mut tx, fresh, notify).await?
+            self.write_jobs(&mut tx, fresh, notify)
+                .await
+                .map_err(|e| text.refusal(e))?
         };
         tx.commit().await?;
         let (new, wakes) = written(rows);
@@ -404,10 +396,10 @@ impl Store {
     async fn write_jobs(
         &self,
         conn: &mut PgConnection,
-        jobs: Vec<(NewJob, Window)>,
+        jobs: Vec<(NewJob, Checked, Window)>,
         notify: bool,
     ) -> Result<Vec<(JobId, Option<String>)>> {
-        let c = self.columns(jobs)?;
+        let c = self.columns(jobs);
         let channel = notify.then(|| self.schema().channel());
         let rows: Vec<(i64, i64, Option<String>)> = sqlx::query_as(&self.sql().enqueue)
             .bind(&c.queue)

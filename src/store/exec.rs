@@ -93,6 +93,11 @@ where
     Ok(items)
 }
 
+/// `conn` is inside a transaction sqlx began (the caller's, or one of the store's).
+pub(crate) fn in_transaction(conn: &mut PgConnection) -> bool {
+    PgTransactionManager::get_transaction_depth(conn) > 0
+}
+
 /// Begin a transaction on `conn`; with `lock_wait`, one whose lock waits are bounded
 /// (`SET LOCAL lock_timeout`, sent with `BEGIN` as one simple query: no extra round
 /// trip). A nested call makes a savepoint, which keeps the outer setting.

@@ -17,7 +17,7 @@ use sqlx::Row;
 use super::admin::{record_from_row, JOB_COLUMNS};
 use super::listing::{list_statement, walks_the_table};
 use super::stats::GAUGE_SETTINGS;
-use super::{secs, Store};
+use super::{check_name, secs, Store};
 use crate::error::Result;
 use crate::job::{Generation, JobId, JobRecord, JobState};
 
@@ -28,7 +28,11 @@ pub const DEFAULT_PAGE: i64 = 50;
 /// of payloads must not load a million rows into one process.
 pub const MAX_PAGE: i64 = 10_000;
 
-/// Which jobs [`Store::list_jobs`] returns: every field that is set must match.
+/// Which jobs [`Store::list_jobs`] returns: every field that is set must match. A
+/// queue, kind or key no job can have (empty, or with a NUL) is refused with
+/// [`Error::InvalidInput`](crate::Error::InvalidInput), in the words an enqueue of it
+/// gets (`invalid key: must not be empty`), rather than matching nothing; `None` is no
+/// filter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobFilter {
     /// Only jobs of this queue.
@@ -46,6 +50,22 @@ pub struct JobFilter {
     /// At most this many jobs, 1 to [`MAX_PAGE`] (values outside are clamped).
     /// Default [`DEFAULT_PAGE`].
     pub limit: i64,
+}
+
+impl JobFilter {
+    /// Refuse a name no job can have, as the enqueue does.
+    fn check(&self) -> Result<()> {
+        for (field, value) in [
+            ("queue", &self.queue),
+            ("kind", &self.kind),
+            ("key", &self.key),
+        ] {
+            if let Some(value) = value {
+                check_name(field, value)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for JobFilter {
@@ -123,6 +143,7 @@ impl Store {
     /// searches on from there. Every other filter reads an index that stops at the
     /// page, and is answered whole.
     pub async fn list_jobs_page(&self, filter: &JobFilter, budget: Duration) -> Result<JobPage> {
+        filter.check()?;
         let limit = filter.limit.clamp(1, MAX_PAGE);
         let full_page = |jobs: Vec<JobRecord>| {
             let next = (jobs.len() as i64 == limit)
@@ -178,6 +199,7 @@ impl Store {
 
     /// The listing, reading no job above id `upto`.
     async fn list_upto(&self, filter: &JobFilter, upto: i64) -> Result<Vec<JobRecord>> {
+        filter.check()?;
         let sql = self.list_sql(filter, upto < i64::MAX);
         let mut tx = self.pool().begin().await?;
         sqlx::raw_sql(GAUGE_SETTINGS).execute(&mut *tx).await?;

@@ -10,6 +10,13 @@
 //!
 //! The new deadline is `clock_timestamp() + lease`: the time the row was actually
 //! updated, not the start of the statement or transaction.
+//!
+//! A renewal also records which attempts have started their handler
+//! (`started_generation`): the reaper counts an expired lease as an attempt only when its
+//! start was recorded, so a job that waited in a crashed process for a slot is not
+//! dead-lettered for it (see migrations/0015_recorded_starts.sql). It costs no statement
+//! of its own: the start rides on a renewal, the periodic one or one sent soon after the
+//! start (see the lease renewer).
 
 use std::time::Duration;
 
@@ -22,15 +29,17 @@ use crate::job::{Generation, JobId, OwnerId};
 
 pub(super) const RENEW: &str = r#"/* leasehold:renew */
 WITH t AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[]) AS t(id, generation)
+    SELECT * FROM unnest($1::int8[], $2::int8[], $5::bool[]) AS t(id, generation, started)
 ), mine AS MATERIALIZED (
-    SELECT j.id
+    SELECT j.id, t.started
     FROM {s}.jobs j JOIN t ON j.id = t.id AND j.generation = t.generation
     WHERE j.owner = $3 AND j.state = 'running'
     FOR UPDATE OF j SKIP LOCKED
 ), u AS (
     UPDATE {s}.jobs j
-    SET lease_until = clock_timestamp() + make_interval(secs => $4)
+    SET lease_until = clock_timestamp() + make_interval(secs => $4),
+        started_generation = CASE WHEN mine.started THEN j.generation
+                                  ELSE j.started_generation END
     FROM mine WHERE j.id = mine.id
     RETURNING j.id, j.lease_until, j.cancel_requested_at IS NOT NULL AS cancel_requested
 )
@@ -61,7 +70,8 @@ pub struct RenewReport {
 impl Store {
     /// Extend the leases of `jobs` held by `owner` to `clock_timestamp() + lease`,
     /// without waiting on any row lock. A job in `lost` was reaped, released, cancelled
-    /// or claimed by a newer generation; one in `busy` is still ours.
+    /// or claimed by a newer generation; one in `busy` is still ours. Every job renewed
+    /// is recorded as started (see [`Store::renew_recording`] to say which started).
     #[tracing::instrument(name = "leasehold.renew", level = "debug", skip_all, fields(n = jobs.len()))]
     pub async fn renew(
         &self,
@@ -69,11 +79,25 @@ impl Store {
         jobs: &[(JobId, Generation)],
         lease: Duration,
     ) -> Result<RenewReport> {
+        let jobs: Vec<_> = jobs.iter().map(|&(j, g)| (j, g, true)).collect();
+        self.renew_recording(owner, &jobs, lease).await
+    }
+
+    /// [`Store::renew`], recording the start of the attempts whose flag is true: an
+    /// expired lease of an attempt never recorded as started does not count as an
+    /// attempt (bounded per job; see `UNSTARTED_EXPIRIES_MAX`).
+    pub async fn renew_recording(
+        &self,
+        owner: &OwnerId,
+        jobs: &[(JobId, Generation, bool)],
+        lease: Duration,
+    ) -> Result<RenewReport> {
         if jobs.is_empty() {
             return Ok(RenewReport::default());
         }
         let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
         let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
+        let started: Vec<bool> = jobs.iter().map(|j| j.2).collect();
         let mut conn = self.pool().acquire().await?;
         let sent = std::time::Instant::now();
         let rows = sqlx::query(&self.sql().renew)
@@ -81,6 +105,7 @@ impl Store {
             .bind(&gens)
             .bind(owner.as_str())
             .bind(secs(lease))
+            .bind(&started)
             .fetch_all(self.on(&mut conn))
             .await?;
         let mut report = RenewReport {

@@ -89,10 +89,25 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "a key's history indexed once per job, not once per row version",
         include_str!("../../migrations/0014_ended_by_key.sql"),
     ),
+    (
+        15,
+        "an expired lease counts as an attempt only when its start was recorded",
+        include_str!("../../migrations/0015_recorded_starts.sql"),
+    ),
+    (
+        16,
+        "per-queue caps inside the one claim statement",
+        include_str!("../../migrations/0016_claim_caps.sql"),
+    ),
+    (
+        17,
+        "results, progress and effect outcomes too deep to read back refused by the schema",
+        include_str!("../../migrations/0017_readable_json.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 14;
+pub const SCHEMA_VERSION: i32 = 17;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

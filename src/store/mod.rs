@@ -16,9 +16,11 @@ mod copy;
 mod effects;
 mod enqueue;
 mod exec;
-pub(crate) use enqueue::{check_name, unstorable_json};
-pub use enqueue::{MAX_DELAY, MAX_PAYLOAD_DEPTH};
+pub use enqueue::MAX_DELAY;
 mod fail;
+mod input;
+pub(crate) use input::{check_effect_key, check_json, check_name, unstorable_json, JsonLimit};
+pub use input::{INDEXED_TEXT_ALWAYS_FITS, INDEX_ENTRY_LIMIT, MAX_PAYLOAD_DEPTH};
 mod inspect;
 mod keys;
 mod lease;
@@ -53,7 +55,7 @@ pub use migrate::{runtime_grants, SCHEMA_VERSION};
 pub use operator::{Action, CANCEL_REQUESTED, OPERATOR};
 pub use pause::PausedQueue;
 pub use progress::MAX_PROGRESS_BYTES;
-pub use reap::ReapReport;
+pub use reap::{ReapReport, UNSTARTED_EXPIRIES_MAX};
 pub(crate) use schedulers::Heartbeat;
 pub use schedulers::LiveScheduler;
 pub use schema::Schema;
@@ -176,7 +178,18 @@ impl Store {
     }
 
     /// Create or upgrade the schema. Safe to call from many processes at once.
+    ///
+    /// This is the store's start-up (a scheduler's `start` calls it first), so it
+    /// checks first that the pool does not go through a transaction-mode pooler
+    /// unless [`StoreOptions::transaction_pooler`] says so: without the switch, every
+    /// later statement would fail with protocol errors (`prepared statement "sqlx_s_1"
+    /// already exists`, an unexpected `NotificationResponse`). It refuses then with
+    /// [`Error::Config`](crate::Error::Config) for `store.transaction_pooler`, before it
+    /// has changed anything.
     pub async fn migrate(&self) -> Result<()> {
+        if !self.options().transaction_pooler {
+            refuse_transaction_pooler(&self.inner.pool).await?;
+        }
         migrate::migrate(
             &self.inner.pool,
             &self.inner.schema,
@@ -286,6 +299,104 @@ impl Store {
     pub(crate) fn wakeups(&self) -> &wakeups::Wakeups {
         &self.inner.wakeups
     }
+}
+
+/// How many times [`refuse_transaction_pooler`] asks each of its two sessions for its
+/// backend: enough for a pooler that hands out server connections at random to be
+/// caught all but surely; PgBouncer's default order is caught at the second question.
+const POOLER_PROBES: usize = 4;
+
+/// How long [`refuse_transaction_pooler`] may take (two connects and eight one-row
+/// queries). A pooler with no server connection free makes it wait; it is then left
+/// undecided, rather than failing a start that may well work.
+const POOLER_PROBE_WAIT: Duration = Duration::from_secs(10);
+
+/// Refuse a pool that goes through a transaction-mode pooler (PgBouncer `pool_mode =
+/// transaction`, or a managed pooler that behaves like it) while
+/// [`StoreOptions::transaction_pooler`] is off, with one error that says what to set.
+///
+/// How it tells: two client connections made with the pool's options take turns
+/// asking `pg_backend_pid()`, [`POOLER_PROBES`] times each. Straight to PostgreSQL, or
+/// through a session-mode pooler, a client connection keeps one server session for its
+/// whole life: each always gets the same pid, and the two pids differ. Behind a
+/// transaction pooler the server connection goes back to the pool after every
+/// statement, so the next one may run on another, or on the one the other client just
+/// used. So the verdict "pooler" is never wrong, and no timing is involved. Other ways
+/// were weighed and are weaker: `SHOW` differs between poolers (PgBouncer answers its
+/// own only on its admin console); a session `SET` read back stays on the server
+/// connection that ran it, for whichever client gets that next; a prepared-statement
+/// probe fails only when two clients' statements happen to meet on one server
+/// connection. The probe sends simple-protocol queries only (no named statement, which
+/// could itself collide) on connections of its own, closed before this returns.
+async fn refuse_transaction_pooler(pool: &PgPool) -> Result<()> {
+    use sqlx::Connection;
+    let options = pool.connect_options();
+    let probe = async {
+        let mut a = sqlx::PgConnection::connect_with(&options).await?;
+        let mut b = sqlx::PgConnection::connect_with(&options).await?;
+        let verdict = sessions_are_shared(&mut a, &mut b).await;
+        let _ = a.close().await;
+        let _ = b.close().await;
+        verdict
+    };
+    match tokio::time::timeout(POOLER_PROBE_WAIT, probe).await {
+        Ok(Ok(false)) => Ok(()),
+        Ok(Ok(true)) => Err(crate::Error::Config {
+            field: "store.transaction_pooler",
+            reason: "the database connection goes through a transaction-mode pooler \
+                (PgBouncer `pool_mode = transaction` or alike: one client connection's \
+                statements ran on different server sessions, or two client connections \
+                on one), where leasehold's statements fail (`prepared statement \
+                \"sqlx_s_1\" already exists`, notifications arriving on another client's \
+                connection). Set `store.transaction_pooler = true` \
+                (LEASEHOLD_STORE__TRANSACTION_POOLER=true through \
+                `Config::set_from_env(\"LEASEHOLD\")`; `StoreOptions::transaction_pooler` \
+                for a `Store` of its own; `--transaction-pooler` for the operator CLI) and \
+                `listen_url` to a URL straight to PostgreSQL (LEASEHOLD_LISTEN_URL; \
+                without it new jobs are found by polling), or connect straight to \
+                PostgreSQL or to a session-mode pool. See the README's \"Behind PgBouncer \
+                in transaction mode\"."
+                .into(),
+        }),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => {
+            tracing::warn!(
+                "leasehold could not tell within {POOLER_PROBE_WAIT:?} whether the pool goes \
+                 through a transaction-mode pooler; going on as configured (direct)"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// Whether `a` and `b` do not each keep a server session of their own (see
+/// [`refuse_transaction_pooler`]).
+async fn sessions_are_shared(
+    a: &mut sqlx::PgConnection,
+    b: &mut sqlx::PgConnection,
+) -> std::result::Result<bool, sqlx::Error> {
+    // A bare `&str` without arguments goes as a simple Query message: no named
+    // statement. (`raw_sql(..).fetch_one` does the same, but makes `migrate`'s future
+    // fail to be `Send` for every lifetime, so `tokio::spawn(store.migrate())` would not
+    // compile.)
+    async fn backend(conn: &mut sqlx::PgConnection) -> std::result::Result<i32, sqlx::Error> {
+        use sqlx::Row;
+        sqlx::Executor::fetch_one(conn, "SELECT pg_backend_pid()")
+            .await?
+            .try_get(0)
+    }
+    let (mut a_pid, mut b_pid) = (None, None);
+    for _ in 0..POOLER_PROBES {
+        let pid = backend(a).await?;
+        if *a_pid.get_or_insert(pid) != pid {
+            return Ok(true);
+        }
+        let pid = backend(b).await?;
+        if *b_pid.get_or_insert(pid) != pid || a_pid == b_pid {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Every statement, rendered once for the schema. sqlx prepares each on first use per

@@ -14,6 +14,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::Row;
 
+use super::input::IndexedText;
 use super::{check_name, Store};
 use crate::error::Result;
 
@@ -68,7 +69,8 @@ impl Store {
             .bind(by.map(super::sanitize_error_text))
             .bind(self.schema().pause_channel())
             .fetch_one(self.db())
-            .await?;
+            .await
+            .map_err(|e| IndexedText::of_queue(queue).refusal(e.into()))?;
         let paused: i64 = row.try_get("paused")?;
         if paused > 0 {
             tracing::info!(queue, by, "leasehold queue paused");

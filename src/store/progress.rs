@@ -3,8 +3,8 @@
 //! after. Fenced like every write about a claimed job: an attempt that lost its lease
 //! cannot overwrite what the current one recorded.
 
-use super::{unstorable_json, Store, MAX_PAYLOAD_DEPTH};
-use crate::error::{Error, Result};
+use super::{check_json, JsonLimit, Store};
+use crate::error::Result;
 use crate::job::{Fence, FenceOutcome};
 
 /// The largest progress value accepted, in bytes of its JSON encoding: it is rewritten
@@ -20,28 +20,22 @@ impl Store {
     /// ([`FenceOutcome::Stale`] otherwise: nothing written). Replaces what was recorded
     /// before; kept after the job ends, and shown by [`Store::job`] and `leasehold job`.
     /// A handler calls [`JobContext::record_progress`](crate::JobContext::record_progress).
+    ///
+    /// A value with a NUL, nested deeper than
+    /// [`MAX_PAYLOAD_DEPTH`](super::MAX_PAYLOAD_DEPTH) levels or larger than
+    /// [`MAX_PROGRESS_BYTES`] is refused with
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput) for `progress`, before
+    /// anything is written.
     pub async fn record_progress(
         &self,
         fence: &Fence,
         progress: &serde_json::Value,
     ) -> Result<FenceOutcome> {
-        let size = serde_json::to_vec(progress)
-            .map_err(|e| Error::InvalidPayload(e.to_string()))?
-            .len();
-        if size > MAX_PROGRESS_BYTES {
-            return Err(Error::InvalidInput {
-                field: "progress",
-                reason: format!(
-                    "{size} bytes is more than the {MAX_PROGRESS_BYTES} bytes a progress value may take"
-                ),
-            });
-        }
-        if let Some(reason) = unstorable_json(progress, MAX_PAYLOAD_DEPTH) {
-            return Err(Error::InvalidInput {
-                field: "progress",
-                reason,
-            });
-        }
+        let limit = JsonLimit {
+            bytes: MAX_PROGRESS_BYTES,
+            name: "MAX_PROGRESS_BYTES",
+        };
+        check_json("progress", progress, &limit)?;
         let done = sqlx::query(&self.schema().render(RECORD))
             .bind(fence.job.0)
             .bind(fence.owner.as_str())

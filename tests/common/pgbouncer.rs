@@ -1,7 +1,7 @@
-//! A throwaway PgBouncer in transaction mode in front of the test database: Debian's
-//! `pgbouncer` (installed by `.ci/run`), its own ini in a temporary directory, a free
-//! loopback port, and few server connections so clients really share them. Stopped
-//! when dropped.
+//! A throwaway PgBouncer in transaction mode (or session mode, `start_session`) in front
+//! of the test database: Debian's `pgbouncer` (installed by `.ci/run`), its own ini in a
+//! temporary directory, a free loopback port, and few server connections so clients
+//! really share them. Stopped when dropped.
 //!
 //! Include it with `#[path = "common/pgbouncer.rs"] mod pgbouncer;` (the bench crate
 //! includes it too). Upstream: `PGHOST`, `PGPORT`, `PGUSER`, else 127.0.0.1:5432 as
@@ -28,6 +28,16 @@ impl PgBouncer {
     /// Start one with `server_connections` server connections per database and user
     /// (`default_pool_size`), in `pool_mode = transaction`, and wait until it accepts.
     pub fn start(server_connections: u32) -> PgBouncer {
+        Self::start_in_mode("transaction", server_connections)
+    }
+
+    /// As [`PgBouncer::start`], in `pool_mode = session`: each client connection keeps
+    /// its server connection, so `server_connections` bounds the clients served at once.
+    pub fn start_session(server_connections: u32) -> PgBouncer {
+        Self::start_in_mode("session", server_connections)
+    }
+
+    fn start_in_mode(pool_mode: &str, server_connections: u32) -> PgBouncer {
         assert!(
             std::path::Path::new(BINARY).exists(),
             "{BINARY} is missing: `apt-get install pgbouncer` (.ci/run does)"
@@ -51,7 +61,7 @@ impl PgBouncer {
              unix_socket_dir =\n\
              auth_type = trust\n\
              auth_file = {dir}/users.txt\n\
-             pool_mode = transaction\n\
+             pool_mode = {pool_mode}\n\
              default_pool_size = {server_connections}\n\
              max_client_conn = 500\n\
              ignore_startup_parameters = extra_float_digits\n\

@@ -26,6 +26,8 @@ pub const SCHEMA_VAR: &str = "LEASEHOLD_WORKER_SCHEMA";
 pub const NAME_VAR: &str = "LEASEHOLD_WORKER_NAME";
 /// The worker's lease, in milliseconds.
 pub const LEASE_VAR: &str = "LEASEHOLD_WORKER_LEASE_MS";
+/// The worker process's `Config::concurrency` (default: [`fast_config`]'s).
+pub const CONCURRENCY_VAR: &str = "LEASEHOLD_WORKER_CONCURRENCY";
 
 /// Pool size of every runtime test (the scheduler adds three connections of its own).
 pub const POOL: u32 = 6;
@@ -143,6 +145,10 @@ pub async fn create_run_tables(db: &TestDb) {
 pub struct Step {
     pub n: i64,
     pub sleep_ms: u64,
+    /// Kill the whole process (abort) right after logging the run: a handler that takes
+    /// its process down with it.
+    #[serde(default)]
+    pub abort: bool,
 }
 
 /// Logs each run into `run_log`: a row at the start, `ended` set at the end.
@@ -181,6 +187,9 @@ impl Handler for Logged {
         .bind(&self.worker)
         .fetch_one(&self.pool)
         .await?;
+        if step.abort {
+            std::process::abort();
+        }
         if step.sleep_ms > 0 {
             tokio::time::sleep(Duration::from_millis(step.sleep_ms)).await;
         }
@@ -238,7 +247,11 @@ pub fn worker_main() {
     actix::System::new().block_on(async move {
         let pool = pool_for(&format!("lh-{schema}-{name}"), POOL).await;
         let parent = unsafe { libc::getppid() };
-        let scheduler = start_logged(&pool, config_with_lease(&schema, lease), &name).await;
+        let mut config = config_with_lease(&schema, lease);
+        if let Some(n) = std::env::var(CONCURRENCY_VAR).ok().and_then(|v| v.parse().ok()) {
+            config.concurrency = n;
+        }
+        let scheduler = start_logged(&pool, config, &name).await;
         eprintln!("worker {name}: scheduler {} started", scheduler.owner());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(170);
         loop {
@@ -276,6 +289,17 @@ pub struct ChildWorker {
 impl ChildWorker {
     /// Start the worker entry test `entry` (its full name in this test binary) on `schema`.
     pub fn spawn(entry: &str, schema: &str, name: &str, lease: Duration) -> ChildWorker {
+        Self::spawn_with(entry, schema, name, lease, None)
+    }
+
+    /// [`ChildWorker::spawn`] with the worker's concurrency (`None`: the default).
+    pub fn spawn_with(
+        entry: &str,
+        schema: &str,
+        name: &str,
+        lease: Duration,
+        concurrency: Option<usize>,
+    ) -> ChildWorker {
         let exe = std::env::current_exe().expect("current test binary");
         let log = std::env::temp_dir().join(format!("leasehold-{schema}-{name}.log"));
         let out = std::fs::File::create(&log).expect("worker log file");
@@ -284,6 +308,10 @@ impl ChildWorker {
             .env(SCHEMA_VAR, schema)
             .env(NAME_VAR, name)
             .env(LEASE_VAR, lease.as_millis().to_string())
+            .env(
+                CONCURRENCY_VAR,
+                concurrency.map(|n| n.to_string()).unwrap_or_default(),
+            )
             .env("LEASEHOLD_TEST_DB", test_db_name())
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())

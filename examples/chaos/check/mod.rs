@@ -21,6 +21,7 @@ mod leases;
 mod poison;
 mod report;
 mod retention;
+mod starts;
 pub mod selftest;
 mod synth;
 
@@ -31,7 +32,7 @@ pub use execution::RACE_REAPER;
 pub use input::Input;
 
 /// Every invariant, in report order, with what a violation means.
-pub const INVARIANTS: [(&str, &str); 32] = [
+pub const INVARIANTS: [(&str, &str); 34] = [
     ("lost", "an acknowledged enqueue has no row"),
     ("unexpected", "a row no enqueue asked for"),
     ("stuck", "pending or waiting after the drain"),
@@ -109,6 +110,14 @@ pub const INVARIANTS: [(&str, &str); 32] = [
         "no throughput after the faults, probe jobs late, or the drain did not finish",
     ),
     ("bad_input", "bad input not contained as specified"),
+    (
+        "dead_never_started",
+        "an expired lease made its job dead though that attempt's handler never started",
+    ),
+    (
+        "cancelled_unasked",
+        "a running handler ended cancelled with no cancel requested on its row",
+    ),
     (
         "ending_late",
         "a handler returned ok and its ending came over a lease later, no fault to explain it",
@@ -218,6 +227,10 @@ pub struct Stats {
     pub endings_late_excused: u64,
     pub pruned_jobs: u64,
     pub dead_retried: u64,
+    /// Expired leases that made their job dead, checked for a handler start.
+    pub dead_reaps_checked: u64,
+    /// Generations that ran and ended cancelled, checked for a cancel request.
+    pub running_cancels_checked: u64,
 }
 
 impl Stats {
@@ -255,6 +268,7 @@ pub fn check(dir: &Path) -> Result<Report, String> {
     effects::check(&input, &mut f, &mut s);
     execution::check(&input, &mut f, &mut s);
     endings::check(&input, &mut f, &mut s);
+    starts::check(&input, &mut f, &mut s);
     poison::check(&input, &mut f, &mut s);
     retention::check(&input, &mut f, &mut s);
     leases::expiries(&input, &mut f, &mut s);

@@ -7,7 +7,7 @@
 
 use super::input::{Expiry, Input, KeyRow, LeaseWrite};
 use super::synth::{expect, us, Synth};
-use super::{endings, execution, leases, poison, retention, Findings, Stats};
+use super::{endings, execution, leases, poison, retention, starts, Findings, Stats};
 use crate::model::EnqueueRecord;
 
 /// Two handlers of one key on two workers: overlapping, then one after the other.
@@ -546,7 +546,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 29] = [
+pub const CASES: [Case; 31] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -582,7 +582,46 @@ pub const CASES: [Case; 29] = [
     ),
     ("rolled_back_enqueue", rolled_back_enqueue),
     ("drop_guard_end_counts", drop_guard_end_counts),
+    ("dead_never_started", dead_never_started),
+    ("cancelled_unasked", cancelled_unasked),
 ];
+
+/// A job made dead by an expired lease: a finding when that generation's handler never
+/// started (it waited in the process for a slot), none when it ran.
+fn dead_never_started() -> Result<(), String> {
+    let build = |ran: bool| {
+        let mut s = Synth::new();
+        s.up(0);
+        s.job(1, None, None, "dead");
+        if ran {
+            s.attempt(0, 1, 1, None, 100, None);
+        }
+        s.event(1, 1, "claimed", 90, "owner-w0");
+        s.event(1, 1, "reaped", 2500, "reaper");
+        s.0.events.last_mut().unwrap().detail =
+            Some("lease of owner-w0 expired at t; now dead".into());
+        s.run(starts::check)
+    };
+    expect("dead_never_started", build(false), build(true))
+}
+
+/// A running handler's generation ended cancelled: a finding without a cancel request
+/// for it, none with one.
+fn cancelled_unasked() -> Result<(), String> {
+    let build = |asked: bool| {
+        let mut s = Synth::new();
+        s.up(0);
+        s.job(1, None, None, "cancelled");
+        s.attempt(0, 1, 1, None, 100, Some(300));
+        s.event(1, 1, "claimed", 90, "owner-w0");
+        if asked {
+            s.event(1, 1, "cancel_requested", 200, "operator");
+        }
+        s.event(1, 1, "cancelled", 310, "owner-w0");
+        s.run(starts::check)
+    };
+    expect("cancelled_unasked", build(false), build(true))
+}
 
 /// An `end` written by the drop guard (outcome `dropped`) ends the attempt like any.
 fn drop_guard_end_counts() -> Result<(), String> {
