@@ -12,7 +12,9 @@
 -- reaper gives back the attempt of an expired lease whose start was never recorded. A
 -- handler that kills its process before its start is recorded would then never be
 -- counted, so such give-backs are bounded per job (`unstarted_expiries`): past the bound,
--- expiries count again whatever was recorded.
+-- expiries count again whatever was recorded. During a rolling deploy, processes of the
+-- previous version record no starts: their expired leases are given back uncounted, within
+-- that bound, and their own reapers count every expiry as before.
 ALTER TABLE __SCHEMA__.jobs
     ADD COLUMN started_generation bigint,
     ADD COLUMN unstarted_expiries integer NOT NULL DEFAULT 0;

@@ -463,7 +463,7 @@ impl JobContext {
         &self,
         progress: &impl Serialize,
     ) -> Result<crate::FenceOutcome, JobError> {
-        let value = serde_json::to_value(progress)
+        let value = crate::store::to_json(progress)
             .map_err(|e| JobError::permanent(format!("progress cannot be encoded: {e}")))?;
         self.inner
             .store
@@ -514,7 +514,7 @@ impl JobContext {
                 act(key.clone()).await?
             }
         };
-        let value = serde_json::to_value(&outcome)
+        let value = crate::store::to_json(&outcome)
             .map_err(|e| JobError::permanent(format!("cannot encode the outcome of {key}: {e}")))?;
         let recorded = self
             .inner

@@ -320,7 +320,7 @@ impl<H: Handler> ErasedHandler for Erased<H> {
                 AttemptError::Decode(format!("payload does not match kind {:?}: {e}", H::KIND))
             })?;
             let output = handler.run(ctx, payload).await.map_err(AttemptError::Job)?;
-            serde_json::to_value(output).map_err(|e| {
+            crate::store::to_json(&output).map_err(|e| {
                 AttemptError::Job(JobError::permanent(format!(
                     "cannot encode the result: {e}"
                 )))

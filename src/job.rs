@@ -229,8 +229,7 @@ impl NewJob {
     /// A job of `kind` with a typed payload, in the default queue of the path that
     /// enqueues it (see [`NewJob::queue`]).
     pub fn new(kind: impl Into<String>, payload: &impl Serialize) -> crate::Result<Self> {
-        let payload = serde_json::to_value(payload)
-            .map_err(|e| crate::Error::InvalidPayload(e.to_string()))?;
+        let payload = crate::store::to_json(payload).map_err(crate::Error::InvalidPayload)?;
         Ok(Self::from_json(kind, payload))
     }
 

@@ -119,7 +119,8 @@ impl Store {
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome> {
         let mut conn = self.pool().acquire().await?;
-        self.complete_in(&mut conn, fence, result).await
+        self.check_result(&result)?;
+        self.complete_on(&mut conn, fence, result).await
     }
 
     /// Complete inside the caller's transaction, together with its business writes:
@@ -144,6 +145,18 @@ impl Store {
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome> {
         self.check_result(&result)?;
+        super::exec::refuse_hidden_transaction(conn).await?;
+        self.complete_on(conn, fence, result).await
+    }
+
+    /// [`Store::complete_in`] once the result is checked and `conn` is known to be the
+    /// store's own or inside a transaction sqlx began.
+    async fn complete_on(
+        &self,
+        conn: &mut PgConnection,
+        fence: &Fence,
+        result: Option<serde_json::Value>,
+    ) -> Result<CompleteOutcome> {
         let mut tx = self.begin(conn).await?;
         let row = sqlx::query(&self.sql().complete)
             .bind(fence.job.0)

@@ -63,7 +63,7 @@ impl Store {
     /// count is of the jobs written.
     pub async fn enqueue_copy(&self, jobs: Vec<NewJob>) -> Result<u64> {
         let mut conn = self.pool().acquire().await?;
-        self.enqueue_copy_in(&mut conn, jobs).await
+        self.copy_on(&mut conn, jobs, false).await
     }
 
     /// [`Store::enqueue_copy`] inside the caller's transaction (in a savepoint): if it
@@ -71,6 +71,12 @@ impl Store {
     /// index entry cannot hold: [`Error::InvalidInput`] naming the field) leaves the
     /// caller's transaction usable, as [`Store::enqueue_in`] says.
     pub async fn enqueue_copy_in(&self, conn: &mut PgConnection, jobs: Vec<NewJob>) -> Result<u64> {
+        self.copy_on(conn, jobs, true).await
+    }
+
+    /// [`Store::enqueue_copy_in`]; `callers` says `conn` is the caller's, which may be
+    /// inside a transaction sqlx cannot see (see `exec::refuse_hidden_transaction`).
+    async fn copy_on(&self, conn: &mut PgConnection, jobs: Vec<NewJob>, callers: bool) -> Result<u64> {
         if jobs.is_empty() {
             return Ok(0);
         }
@@ -81,6 +87,9 @@ impl Store {
                          enqueue_many, which orders them under the key's lock"
                     .into(),
             });
+        }
+        if callers {
+            super::exec::refuse_hidden_transaction(conn).await?;
         }
         let statement = &self.sql().enqueue_copy;
         // What the database's refusal of a too-long index entry is put down to.

@@ -98,6 +98,43 @@ pub(crate) fn in_transaction(conn: &mut PgConnection) -> bool {
     PgTransactionManager::get_transaction_depth(conn) > 0
 }
 
+/// Refuse a connection inside a transaction sqlx did not begin (the caller sent `BEGIN`
+/// as a plain query). sqlx counts only the transactions it began, so on such a
+/// connection leasehold's own `BEGIN` would be ignored by the server and its `COMMIT`
+/// would commit the caller's transaction early (a `ROLLBACK`, discard it), and its
+/// savepoints would be skipped. Asked only where a call would open a transaction or a
+/// savepoint of its own and sqlx reports none: one round trip (`SAVEPOINT`, refused by
+/// the server outside a transaction), never on the store's own connections. Found so,
+/// the caller's transaction is left as it was (the probe's savepoint released) and the
+/// call refused with [`Error::InvalidInput`](crate::Error::InvalidInput) for
+/// `connection`.
+pub(crate) async fn refuse_hidden_transaction(conn: &mut PgConnection) -> crate::Result<()> {
+    if in_transaction(conn) {
+        return Ok(());
+    }
+    match conn.execute("SAVEPOINT leasehold_hidden_transaction_probe").await {
+        Ok(_) => {
+            conn.execute("RELEASE SAVEPOINT leasehold_hidden_transaction_probe")
+                .await?;
+            Err(crate::Error::InvalidInput {
+                field: "connection",
+                reason: "it is inside a transaction begun by a plain `BEGIN` query, which \
+                         sqlx (and so leasehold) cannot see: leasehold's own COMMIT would end \
+                         it. Begin the transaction through sqlx (`pool.begin()`, \
+                         `conn.begin()`) and pass `&mut *tx`; nothing was written"
+                    .into(),
+            })
+        }
+        // 25P01 no_active_sql_transaction: autocommit, as sqlx says.
+        Err(e)
+            if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("25P01") =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Begin a transaction on `conn`; with `lock_wait`, one whose lock waits are bounded
 /// (`SET LOCAL lock_timeout`, sent with `BEGIN` as one simple query: no extra round
 /// trip). A nested call makes a savepoint, which keeps the outer setting.

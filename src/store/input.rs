@@ -47,6 +47,55 @@ use crate::job::NewJob;
 /// (or shown to an operator). Refused when written, by the Rust calls and by the schema.
 pub const MAX_PAYLOAD_DEPTH: usize = 127;
 
+/// Serialize a user's value (a typed payload, progress, a handler's output, an effect's
+/// outcome) to JSON, refusing nesting deeper than [`MAX_PAYLOAD_DEPTH`] *while* it
+/// serializes. `serde_json::to_value` recurses once per level, so a value 10,000 levels
+/// deep would overflow the thread's stack (and take the whole process down) before any
+/// walk of the result could refuse it; here the serializer stops at the first level too
+/// many. The text is then parsed back into a value (at most 127 levels, which serde_json
+/// reads). The error says why, for the caller to wrap.
+pub(crate) fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> std::result::Result<Value, String> {
+    let mut text = Vec::with_capacity(64);
+    let mut ser = serde_json::Serializer::with_formatter(&mut text, DepthBound(0));
+    value.serialize(&mut ser).map_err(|e| e.to_string())?;
+    serde_json::from_slice(&text).map_err(|e| e.to_string())
+}
+
+/// serde_json's compact output, refusing to open the level past [`MAX_PAYLOAD_DEPTH`].
+struct DepthBound(usize);
+
+impl DepthBound {
+    fn open<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.0 += 1;
+        if self.0 > MAX_PAYLOAD_DEPTH {
+            return Err(std::io::Error::other(format!(
+                "nested deeper than {MAX_PAYLOAD_DEPTH} levels of arrays and objects, the most serde_json reads back"
+            )));
+        }
+        w.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.0 -= 1;
+        w.write_all(bracket)
+    }
+}
+
+impl serde_json::ser::Formatter for DepthBound {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+}
+
 /// PostgreSQL's largest b-tree index entry, in bytes (8 kB pages), after compression.
 pub const INDEX_ENTRY_LIMIT: usize = 2704;
 
@@ -274,6 +323,26 @@ impl IndexedText {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_too_deep_is_refused_while_it_serializes_not_after() {
+        // Run on a small stack: a recursion per level of 10,000 would overflow it.
+        let refused = std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(|| {
+                let v = deep(10_000);
+                let r = to_json(&v);
+                std::mem::forget(v); // dropping it recurses too
+                r
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(refused.unwrap_err().contains("127 levels"));
+        assert!(to_json(&deep(127)).is_ok());
+        assert!(to_json(&deep(128)).is_err());
+        assert_eq!(to_json(&serde_json::json!({"a": [1, "x"]})).unwrap(), serde_json::json!({"a": [1, "x"]}));
+    }
 
     fn deep(levels: usize) -> Value {
         let mut v = serde_json::json!(1);

@@ -19,7 +19,9 @@ mod exec;
 pub use enqueue::MAX_DELAY;
 mod fail;
 mod input;
-pub(crate) use input::{check_effect_key, check_json, check_name, unstorable_json, JsonLimit};
+pub(crate) use input::{
+    check_effect_key, check_json, check_name, to_json, unstorable_json, JsonLimit,
+};
 pub use input::{INDEXED_TEXT_ALWAYS_FITS, INDEX_ENTRY_LIMIT, MAX_PAYLOAD_DEPTH};
 mod inspect;
 mod keys;
@@ -301,12 +303,12 @@ impl Store {
     }
 }
 
-/// How many times [`refuse_transaction_pooler`] asks each of its two sessions for its
-/// backend: enough for a pooler that hands out server connections at random to be
-/// caught all but surely; PgBouncer's default order is caught at the second question.
-const POOLER_PROBES: usize = 4;
+/// Rounds of [`sessions_are_shared`]: a pooler that hands out the server connection
+/// freed last or first is caught by the second round; one that picks at random, with
+/// probability 1 - 2^-(rounds - 1) or better.
+const POOLER_PROBES: usize = 6;
 
-/// How long [`refuse_transaction_pooler`] may take (two connects and eight one-row
+/// How long [`refuse_transaction_pooler`] may take (two connects and six rounds of short
 /// queries). A pooler with no server connection free makes it wait; it is then left
 /// undecided, rather than failing a start that may well work.
 const POOLER_PROBE_WAIT: Duration = Duration::from_secs(10);
@@ -315,13 +317,14 @@ const POOLER_PROBE_WAIT: Duration = Duration::from_secs(10);
 /// transaction`, or a managed pooler that behaves like it) while
 /// [`StoreOptions::transaction_pooler`] is off, with one error that says what to set.
 ///
-/// How it tells: two client connections made with the pool's options take turns
-/// asking `pg_backend_pid()`, [`POOLER_PROBES`] times each. Straight to PostgreSQL, or
+/// How it tells: two client connections made with the pool's options each open a
+/// transaction and ask `pg_backend_pid()`, then end them in alternating order,
+/// [`POOLER_PROBES`] rounds (see [`sessions_are_shared`]). Straight to PostgreSQL, or
 /// through a session-mode pooler, a client connection keeps one server session for its
 /// whole life: each always gets the same pid, and the two pids differ. Behind a
 /// transaction pooler the server connection goes back to the pool after every
-/// statement, so the next one may run on another, or on the one the other client just
-/// used. So the verdict "pooler" is never wrong, and no timing is involved. Other ways
+/// transaction, so the next one may run on another. So the verdict "pooler" is never
+/// wrong, and no timing is involved. Other ways
 /// were weighed and are weaker: `SHOW` differs between poolers (PgBouncer answers its
 /// own only on its admin console); a session `SET` read back stays on the server
 /// connection that ran it, for whichever client gets that next; a prepared-statement
@@ -371,6 +374,15 @@ async fn refuse_transaction_pooler(pool: &PgPool) -> Result<()> {
 
 /// Whether `a` and `b` do not each keep a server session of their own (see
 /// [`refuse_transaction_pooler`]).
+///
+/// Each round opens a transaction on both (so both hold a server session at once: two
+/// sessions either way), reads each one's backend, and ends them in turn, first `a`'s,
+/// then, the next round, first `b`'s. A pooler gives the next transaction the server
+/// connection freed last (PgBouncer's default), or the one freed first (its
+/// `server_round_robin`), or one at random: in one order or the other, a client gets a
+/// server the other client (or someone else) used, and its backend changes. Two clients
+/// merely taking turns is not enough: with round-robin each lands on "its" server every
+/// time and looks direct.
 async fn sessions_are_shared(
     a: &mut sqlx::PgConnection,
     b: &mut sqlx::PgConnection,
@@ -379,20 +391,28 @@ async fn sessions_are_shared(
     // statement. (`raw_sql(..).fetch_one` does the same, but makes `migrate`'s future
     // fail to be `Send` for every lifetime, so `tokio::spawn(store.migrate())` would not
     // compile.)
-    async fn backend(conn: &mut sqlx::PgConnection) -> std::result::Result<i32, sqlx::Error> {
+    async fn backend_in_tx(conn: &mut sqlx::PgConnection) -> std::result::Result<i32, sqlx::Error> {
         use sqlx::Row;
+        sqlx::Executor::execute(&mut *conn, "BEGIN").await?;
         sqlx::Executor::fetch_one(conn, "SELECT pg_backend_pid()")
             .await?
             .try_get(0)
     }
+    async fn end(conn: &mut sqlx::PgConnection) -> std::result::Result<(), sqlx::Error> {
+        sqlx::Executor::execute(conn, "COMMIT").await.map(|_| ())
+    }
     let (mut a_pid, mut b_pid) = (None, None);
-    for _ in 0..POOLER_PROBES {
-        let pid = backend(a).await?;
-        if *a_pid.get_or_insert(pid) != pid {
-            return Ok(true);
+    for round in 0..POOLER_PROBES {
+        let pa = backend_in_tx(a).await?;
+        let pb = backend_in_tx(b).await?;
+        if round % 2 == 0 {
+            end(a).await?;
+            end(b).await?;
+        } else {
+            end(b).await?;
+            end(a).await?;
         }
-        let pid = backend(b).await?;
-        if *b_pid.get_or_insert(pid) != pid || a_pid == b_pid {
+        if pa == pb || *a_pid.get_or_insert(pa) != pa || *b_pid.get_or_insert(pb) != pb {
             return Ok(true);
         }
     }

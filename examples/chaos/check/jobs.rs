@@ -234,6 +234,15 @@ fn walk_job(
             }
             "reaped" => {
                 reaped(c, job_id, e, open, f);
+                // A lease whose start was never recorded: the reaper gave the attempt back
+                // and made the job pending at once, as a release does.
+                let unstarted = e
+                    .detail
+                    .as_deref()
+                    .is_some_and(|d| d.contains("never started"));
+                if unstarted {
+                    attempts = (attempts - 1).max(0);
+                }
                 // The racing reaper stamps its reap with its own clock, running ahead:
                 // the lease it took really ended now, not at that stamp. Its victims'
                 // later overlaps are the fault's doing (excused, as in `execution`), so
@@ -244,7 +253,8 @@ fn walk_job(
                     e.at_us
                 };
                 close(&mut open, at);
-                ended = Some((e.generation, "reaped", e.at_us, attempts));
+                let how = if unstarted { "released" } else { "reaped" };
+                ended = Some((e.generation, how, e.at_us, attempts));
             }
             "held" => held = true,
             "unheld" => held = false,

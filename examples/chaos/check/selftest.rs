@@ -618,6 +618,13 @@ fn cancelled_unasked() -> Result<(), String> {
             s.event(1, 1, "cancel_requested", 200, "operator");
         }
         s.event(1, 1, "cancelled", 310, "owner-w0");
+        // Job 2 ran, failed, and was cancelled by an operator while pending: written at
+        // the same generation, by the operator. Not a stopped handler.
+        s.job(2, None, None, "cancelled");
+        s.attempt(0, 2, 1, None, 100, Some(150));
+        s.event(2, 1, "claimed", 90, "owner-w0");
+        s.event(2, 1, "failed", 160, "owner-w0");
+        s.event(2, 1, "cancelled", 400, "operator");
         s.run(starts::check)
     };
     expect("cancelled_unasked", build(false), build(true))
