@@ -80,6 +80,23 @@ impl Handler for Pay {
 /// expiry of this generation is recorded (a renewal may slip in between).
 async fn expire(store: &Store, job: JobId, generation: Generation) {
     let s = store.schema().quoted().to_string();
+    // A real stall past the lease outlives the moment the owner records the attempt's
+    // start (within 200 ms of it); moving time forward must not skip that, or the reaper
+    // rightly treats the attempt as never started and does not count it.
+    for _ in 0..100 {
+        let recorded: bool = sqlx::query_scalar(&format!(
+            "SELECT EXISTS (SELECT 1 FROM {s}.jobs WHERE id = $1 AND started_generation = $2)"
+        ))
+        .bind(job.0)
+        .bind(generation.0)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        if recorded {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     for _ in 0..100 {
         sqlx::query(&format!(
             "UPDATE {s}.jobs SET lease_until = now() - interval '1 second' WHERE id = $1 AND generation = $2 AND state = 'running'"
