@@ -177,7 +177,13 @@ async fn continue_policy_also_applies_when_the_reaper_kills_the_head() {
         let second = db.store.enqueue(keyed("k", "acct", 2)).await.unwrap();
         let w = owner("w");
         let head = claim_one(&db, &w).await;
-        let at = secs_after(head.lease_until, 1);
+        // The head's handler starts (its renewal records that), then its worker dies.
+        let renewed = db
+            .store
+            .renew(&w, &[(head.id, head.generation)], LEASE)
+            .await
+            .unwrap();
+        let at = secs_after(renewed.renewed[0].1, 1);
         assert_eq!(
             db.store
                 .reap(&owner("r"), &fixed_backoff(1), 10, Some(at))

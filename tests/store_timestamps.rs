@@ -28,15 +28,17 @@ async fn clock(conn: &mut sqlx::PgConnection) -> DateTime<Utc> {
 async fn created_at_and_delay_count_from_the_enqueue_statement_not_the_transaction_start() {
     bounded(async {
         let db = TestDb::new("ts_created").await;
-        let mut host = db.raw_conn("host").await;
-        sqlx::query("BEGIN").execute(&mut host).await.unwrap();
+        let mut conn = db.raw_conn("host").await;
+        // Begun through sqlx, as leasehold's `_in` calls require (a plain `BEGIN` query
+        // is refused: see store_host_transaction_edges).
+        let mut host = sqlx::Connection::begin(&mut conn).await.unwrap();
         let began: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
-            .fetch_one(&mut host)
+            .fetch_one(&mut *host)
             .await
             .unwrap();
         // The host transaction is a second old when it enqueues.
         sqlx::query("SELECT pg_sleep(1)")
-            .execute(&mut host)
+            .execute(&mut *host)
             .await
             .unwrap();
         let before = clock(&mut host).await;
@@ -54,7 +56,7 @@ async fn created_at_and_delay_count_from_the_enqueue_statement_not_the_transacti
             .unwrap();
         assert_eq!(copied, 1);
         let after = clock(&mut host).await;
-        sqlx::query("COMMIT").execute(&mut host).await.unwrap();
+        host.commit().await.unwrap();
         let copy_id: i64 = sqlx::query_scalar(&format!("SELECT max(id) FROM {}", db.table("jobs")))
             .fetch_one(&db.pool)
             .await
@@ -85,7 +87,7 @@ async fn created_at_and_delay_count_from_the_enqueue_statement_not_the_transacti
             }
         }
         assert!(wrong.is_empty(), "{wrong:#?}");
-        host.close().await.unwrap();
+        conn.close().await.unwrap();
         db.drop().await;
     })
     .await
