@@ -17,8 +17,8 @@
 //! order. Three schedulers (three workers with their own owners, pools, lease renewers
 //! and reapers; lease 1 s, renewal every 300 ms, reaper every 200 ms) run them. Each
 //! payment job charges through `JobContext::once("charge", ..)`: the effect key
-//! `<job id>/charge` is the gateway's idempotency key, the job's fencing token goes with
-//! it, and the receipt is recorded in the effect ledger.
+//! `<schema identity>/<job id>/charge` is the gateway's idempotency key, the job's
+//! fencing token goes with it, and the receipt is recorded in the effect ledger.
 //!
 //! Faults, the same in both runs: a worker stalls right after charging until its lease
 //! has expired and the job was reaped and claimed again; a worker crashes (its handler

@@ -4,10 +4,11 @@
 //! # Effects
 //!
 //! An external effect (a charge, a webhook) must not happen twice. Each effect gets an
-//! [`EffectKey`] derived from the job id and a step name the handler chooses, never
-//! from the generation or attempt: every attempt of a step shares it, so the effect
-//! store can deduplicate. [`JobContext::once`] runs an effect under its key and records
-//! its outcome in the ledger (fenced: only the current generation may record); a later
+//! [`EffectKey`] derived from the schema's identity, the job id and a step name the
+//! handler chooses, never from the generation or attempt: every attempt of a step
+//! shares it, so the effect store can deduplicate, and no job of another schema or
+//! database has it. [`JobContext::once`] runs an effect under its key and records its
+//! outcome in the ledger (fenced: only the current generation may record); a later
 //! attempt gets the recorded outcome back instead of acting again.
 
 use std::future::Future;
@@ -23,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::handler::JobError;
 use crate::job::{ClaimedJob, CompleteOutcome, Fence, Generation, JobId};
-use crate::store::{RecordOutcome, Store};
+use crate::store::{RecordOutcome, SchemaIdentity, Store};
 
 /// Why a handler was asked to stop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,15 +42,59 @@ pub enum CancelReason {
     Cancelled,
 }
 
-/// A stable effect key: `"<job id>/<step>"`.
+/// A stable effect key: `"<schema identity>/<job id>/<step>"`, e.g.
+/// `"0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/17/charge"`.
+///
+/// Unique across every schema and database: job ids restart at 1 in each schema (and in
+/// a schema created again), so the key starts with the schema's identity, a UUID minted
+/// once when the schema was created ([`Store::schema_identity`]). Stable across the
+/// attempts of a job, a failover (a standby has the same identity) and a pg_dump/restore
+/// of the schema (the same jobs; under any schema or database name).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EffectKey(String);
 
+/// Length of a [`SchemaIdentity`] as text.
+const IDENTITY_LEN: usize = 36;
+
 impl EffectKey {
-    /// The key of `job`'s effect `step`: the same for every attempt of the job, so
-    /// never put an attempt number or generation in `step`.
-    pub fn new(job: JobId, step: &str) -> Self {
-        EffectKey(format!("{job}/{step}"))
+    /// The key of `job`'s effect `step` in the schema of `identity`: the same for every
+    /// attempt of the job, so never put an attempt number or generation in `step`.
+    pub fn new(identity: &SchemaIdentity, job: JobId, step: &str) -> Self {
+        EffectKey(format!("{identity}/{job}/{step}"))
+    }
+
+    /// `text` as an effect key, if it is one [`EffectKey::new`] could have made: a
+    /// schema identity, `/`, a job id as it prints, `/`, and a step (any text, `/`
+    /// included).
+    pub fn parse(text: &str) -> Option<EffectKey> {
+        let rest = text.get(IDENTITY_LEN..)?.strip_prefix('/')?;
+        SchemaIdentity::parse(&text[..IDENTITY_LEN])?;
+        let (job, _step) = rest.split_once('/')?;
+        let id: i64 = job.parse().ok()?;
+        (id.to_string() == job).then(|| EffectKey(text.to_string()))
+    }
+
+    /// The identity of the schema whose job made the key.
+    pub fn schema_identity(&self) -> &str {
+        &self.0[..IDENTITY_LEN]
+    }
+
+    /// The job whose effect it is.
+    pub fn job(&self) -> JobId {
+        let (job, _) = self.job_and_step();
+        JobId(job.parse().unwrap_or_default())
+    }
+
+    /// The step name the handler gave.
+    pub fn step(&self) -> &str {
+        self.job_and_step().1
+    }
+
+    fn job_and_step(&self) -> (&str, &str) {
+        // Made by `new` or checked by `parse`: the identity, `/`, digits, `/`, the step.
+        self.0[IDENTITY_LEN + 1..]
+            .split_once('/')
+            .unwrap_or_default()
     }
 
     /// The key as text, to send to an effect store as its idempotency key.
@@ -267,15 +312,30 @@ impl JobContext {
         *self.inner.completed_in_tx.lock().unwrap()
     }
 
-    /// The stable key of this job's effect `step`.
-    pub fn effect_key(&self, step: &str) -> EffectKey {
-        EffectKey::new(self.inner.job.id, step)
+    /// The stable key of this job's effect `step` (see [`EffectKey`]). The schema's
+    /// identity comes from the store, read once per store (at a scheduler's start), so
+    /// this costs a round trip only on a store that never read it. An error (the schema
+    /// has no identity, the database failed) is retryable.
+    pub async fn effect_key(&self, step: &str) -> Result<EffectKey, JobError> {
+        let identity = self.identity().await?;
+        Ok(EffectKey::new(&identity, self.inner.job.id, step))
+    }
+
+    async fn identity(&self) -> Result<SchemaIdentity, JobError> {
+        self.inner.store.schema_identity().await.map_err(|e| {
+            JobError::retry(format!(
+                "no effect key can be made, so no effect was run: {e}"
+            ))
+        })
     }
 
     /// Complete the job inside the handler's own transaction, together with its
     /// business writes: commit both or neither. Returns `Stale` if this attempt lost
     /// its fence — then roll back. After `Completed`, commit, and return `Ok` from the
-    /// handler; the scheduler will not complete the job a second time.
+    /// handler; the scheduler will not complete the job a second time. Once the commit
+    /// is done the job is done, whatever the handler does next: an error, a panic or a
+    /// stop after it is logged as after the completion, and the attempt ends completed
+    /// (not stale, and not failed). Without the commit, the handler's ending decides.
     ///
     /// The job is done when your transaction commits, and its key's next job may start
     /// from that moment (on any process): do no more work for this job after the commit.
@@ -408,8 +468,9 @@ impl JobContext {
     ///         // A later attempt (after a crash, a stall, a lost reply) gets the recorded
     ///         // receipt back instead of charging again.
     ///         ctx.once("charge", request, |key| async move {
-    ///             // `key` is "<job id>/charge" on every attempt: the gateway's
-    ///             // idempotency key, so it cannot apply the charge twice either.
+    ///             // `key` is "<schema identity>/<job id>/charge" on every attempt: the
+    ///             // gateway's idempotency key, so it cannot apply the charge twice
+    ///             // either, and no other schema's job has it.
     ///             gateway_charge(key.as_str(), token, request).await
     ///         })
     ///         .await
@@ -493,7 +554,8 @@ impl JobContext {
         F: FnOnce(EffectKey) -> Fut,
         Fut: Future<Output = Result<Out, JobError>>,
     {
-        let key = self.effect_key(step);
+        let identity = self.identity().await?;
+        let key = EffectKey::new(&identity, self.inner.job.id, step);
         // Before anything else: a key the ledger would refuse after the effect happened
         // would make the retry act again.
         crate::store::check_effect_key(key.as_str()).map_err(|e| {
@@ -503,7 +565,7 @@ impl JobContext {
             ))
         })?;
         let fingerprint = fingerprint(request)?;
-        if let Some(recorded) = self.recorded(&key, &fingerprint).await? {
+        if let Some(recorded) = self.recorded(&key, &identity, &fingerprint).await? {
             return Ok(recorded);
         }
         self.live_for(&key)?;
@@ -563,15 +625,18 @@ impl JobContext {
         )))
     }
 
+    /// The outcome recorded under `key`, read together with the schema's identity now:
+    /// one other than `identity`, which made the key, stops the step before it acts.
     async fn recorded<Out: DeserializeOwned>(
         &self,
         key: &EffectKey,
+        identity: &SchemaIdentity,
         fingerprint: &str,
     ) -> Result<Option<Out>, JobError> {
         let found = self
             .inner
             .store
-            .effect(key.as_str())
+            .effect_under(key.as_str(), identity)
             .await
             .map_err(|e| match e {
                 // A stored outcome no attempt can read: retrying would not help, and
@@ -626,4 +691,35 @@ fn decode_outcome<Out: DeserializeOwned>(
 ) -> Result<Out, JobError> {
     serde_json::from_value(value)
         .map_err(|e| JobError::permanent(format!("recorded outcome of {key} does not decode: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_effect_key_is_identity_job_and_step_and_parses_back() {
+        let id = SchemaIdentity::parse("0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a").unwrap();
+        let key = EffectKey::new(&id, JobId(17), "charge/eu");
+        assert_eq!(
+            key.as_str(),
+            "0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/17/charge/eu"
+        );
+        let back = EffectKey::parse(key.as_str()).unwrap();
+        assert_eq!(back, key);
+        assert_eq!(
+            (back.schema_identity(), back.job(), back.step()),
+            (id.as_str(), JobId(17), "charge/eu")
+        );
+        for bad in [
+            "17/charge",
+            "0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/charge",
+            "0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/017/charge",
+            "0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/+17/charge",
+            "0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a17/charge",
+            "not-an-identity-of-thirty-six-chars!/17/charge",
+        ] {
+            assert!(EffectKey::parse(bad).is_none(), "{bad:?}");
+        }
+    }
 }

@@ -7,6 +7,12 @@
 //! on a connection error is retried with backoff while the lease is still confirmed,
 //! and otherwise left to the reaper: it never takes the scheduler down.
 //!
+//! A handler that completed its job in its own transaction (`JobContext::complete_in`)
+//! has written its ending itself: once that transaction committed, the attempt ends
+//! completed whatever the handler did next (returned an error, panicked, ran past its
+//! run time or its lease, was cancelled or given back at shutdown), and that is logged
+//! as after its completion, never counted as a stale completion.
+//!
 //! # Stopping a handler
 //!
 //! A handler is asked to stop through its context (lost lease, local lease deadline,
@@ -71,6 +77,19 @@ enum Attempt {
     Release(&'static str),
     /// The lease was lost: nothing to write.
     Abandoned,
+}
+
+impl Attempt {
+    /// What the handler's ending was, for a log line.
+    fn described(&self) -> String {
+        match self {
+            Attempt::Succeeded(_) => "returned Ok".into(),
+            Attempt::Failed(f) => format!("failed: {}", f.reason),
+            Attempt::Snoozed(d) => format!("snoozed for {}", humantime::format_duration(*d)),
+            Attempt::Release(reason) => format!("was given back: {reason}"),
+            Attempt::Abandoned => "was stopped: its lease was lost".into(),
+        }
+    }
 }
 
 type Joined = std::result::Result<std::result::Result<serde_json::Value, AttemptError>, JoinError>;
@@ -414,18 +433,43 @@ async fn watch_handler(
             });
         }
         _ = &mut lease => {
-            if ctx.cancel_reason().is_none() {
+            // After a completion committed in the handler's own transaction, renewals
+            // find the job done and confirm nothing more: the lease ended with the job,
+            // it was not lost. The handler is stopped all the same (its job is done, and
+            // the key's next job may be running), but that is not a lost lease. The row
+            // says which, asked once the handler is stopped (the deadline is there to
+            // stop it before its lease can expire, whether or not the database answers),
+            // because a completion rolled back leaves the flag set.
+            let unasked = ctx.cancel_reason().is_none();
+            let may_be_done = ctx.completed_in_tx();
+            let lost = || {
                 env.metrics.incr(|c| &c.leases_lost);
                 env.metrics.incr(|c| &c.lease_deadlines);
                 tracing::warn!(job = %job.id, generation = %job.generation,
                     "leasehold lease not confirmed by its local deadline; stopping the attempt before it can expire");
+            };
+            if unasked && !may_be_done {
+                lost();
             }
             ctx.cancel(CancelReason::LeaseLost);
-            match stop(task, quick).await {
+            let stopped = stop(task, quick).await;
+            let done = may_be_done
+                && matches!(
+                    env.store.completion_status(&job.fence()).await,
+                    Ok(CompleteOutcome::AlreadyCompleted { .. })
+                );
+            if unasked && may_be_done && !done {
+                lost();
+            }
+            match stopped {
                 // Finished within the grace: its ending is still fenced.
                 Some(joined) => joined,
                 None => return Attempt::Failed(Failure {
-                    reason: "lease not confirmed in time (the database did not answer the renewals); stopped".into(),
+                    reason: if done {
+                        "the handler ran on for a lease after its completion in its own transaction; stopped".into()
+                    } else {
+                        "lease not confirmed in time (the database did not answer the renewals); stopped".into()
+                    },
                     permanent: false,
                     retry_after: None,
                 }),
@@ -616,6 +660,16 @@ async fn write_ending(
             }
             None => Attempt::Succeeded(v),
         },
+        // The handler completed the job in its own transaction, then erred, panicked, was
+        // stopped (timeout, lease deadline, cancel, shutdown) or snoozed. If that
+        // transaction committed, the job is done by this attempt, and nothing is left to
+        // write; if not, the attempt's own ending is written under its fence below.
+        other if ctx.completed_in_tx() => {
+            match completed_before(env, ctx, &other.described()).await {
+                Some(ended) => return ended,
+                None => other,
+            }
+        }
         other => other,
     };
     match attempt {
@@ -685,7 +739,14 @@ async fn write_ending(
                     env.metrics.incr(|c| &c.cancelled);
                     Ended::Cancelled
                 }
-                Ok(FailOutcome::Stale) => stale(env, job, "failure"),
+                // The handler's commit may have landed between the check above and this
+                // write (a handler stopped while its COMMIT was on the way).
+                Ok(FailOutcome::Stale) => {
+                    match completed_before(env, ctx, &format!("failed: {}", failure.reason)).await {
+                        Some(ended) => ended,
+                        None => stale(env, job, "failure"),
+                    }
+                }
                 Err(_) => Ended::Unknown,
             }
         }
@@ -725,11 +786,43 @@ async fn write_ending(
                     env.metrics.incr(|c| &c.released);
                     Ended::Released
                 }
-                Ok(_) => Ended::Stale,
+                Ok(_) => completed_before(env, ctx, &format!("was given back: {reason}"))
+                    .await
+                    .unwrap_or(Ended::Stale),
                 Err(_) => Ended::Unknown,
             }
         }
-        Attempt::Abandoned => stale(env, job, "abandoned attempt"),
+        Attempt::Abandoned => {
+            match completed_before(env, ctx, &Attempt::Abandoned.described()).await {
+                Some(ended) => ended,
+                None => stale(env, job, "abandoned attempt"),
+            }
+        }
+    }
+}
+
+/// Whether this attempt completed its job in the handler's own transaction and that
+/// transaction committed; then its ending is `Completed`, counted as such, and what the
+/// handler did after (`after`: an error, a panic, a stop) is logged as after the
+/// completion. `None` when it did not (no such completion, rolled back, or the job is
+/// another attempt's now): the fence decides the ending as for any attempt.
+///
+/// Why not stale: the job is done, by this very attempt. Counted as a stale completion,
+/// a healthy worker would fire the stale-completion alert.
+async fn completed_before(env: &Env, ctx: &JobContext, after: &str) -> Option<Ended> {
+    if !ctx.completed_in_tx() {
+        return None;
+    }
+    let job = ctx.job();
+    let fence = job.fence();
+    match with_retries(ctx, env, || env.store.completion_status(&fence)).await {
+        Ok(CompleteOutcome::AlreadyCompleted { .. }) => {
+            env.metrics.incr(|c| &c.completed);
+            tracing::warn!(job = %job.id, kind = %job.kind, attempt = job.attempt, after,
+                "leasehold handler went on after completing its job in its own transaction, which committed: the job is done");
+            Some(Ended::Completed)
+        }
+        _ => None,
     }
 }
 

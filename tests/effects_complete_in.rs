@@ -5,14 +5,30 @@
 //! neither is visible; a stale worker's posting rolls back with its refused
 //! completion. Each test asserts the job's state, the postings, and the gateway's
 //! applied-charge count.
+//!
+//! Under a scheduler: once the handler's transaction that completed the job committed,
+//! the job is done by that attempt, whatever the handler does next — returns an error,
+//! panics, runs past its run time or its lease deadline, or is stopped by a shutdown.
+//! The attempt ends completed (never stale, never failed), and no stale completion is
+//! counted, so the stale-completion alert stays quiet for a healthy worker.
 
 mod common;
+#[path = "common/worker.rs"]
+mod worker;
+
+use std::time::Duration;
 
 use common::*;
+use leasehold::metrics::Outcome;
 use leasehold::testkit::gateway::{ChargeRequest, Gateway, GatewayClient, GatewayConfig, Receipt};
 use leasehold::testkit::{attempt_context, fencing_token};
-use leasehold::{CompleteOutcome, Generation, JobContext, JobError, JobState, NewJob};
-use sqlx::{Connection, PgConnection};
+use leasehold::{
+    CompleteOutcome, Config, Generation, Handler, JobContext, JobError, JobId, JobState,
+    KindPolicy, MetricsSnapshot, NewJob, Scheduler,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::{Connection, PgConnection, PgPool};
+use worker::{fast_config, run_in_system, wait_until};
 
 fn payment() -> ChargeRequest {
     ChargeRequest {
@@ -262,4 +278,231 @@ async fn a_connection_killed_before_commit_leaves_neither_and_the_retry_posts_on
         db.drop().await;
     })
     .await
+}
+
+// ---------------------------------------------------------------------------
+// Under a scheduler: what the handler does after its completion committed.
+// ---------------------------------------------------------------------------
+
+/// What the handler does once its transaction that completed the job has committed.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+enum After {
+    Error,
+    Panic,
+    /// Sleeps for a minute, whatever it is told: stopped by its run time, its lease
+    /// deadline or a shutdown.
+    Hang,
+}
+
+/// Posts the job to `postings` and completes it in one transaction, commits, then does
+/// `After`. `TIMED` jobs have a run time of 500 ms (`KindPolicy::max_run_time`).
+struct CompleteThen<const TIMED: bool> {
+    pool: PgPool,
+    postings: String,
+}
+
+impl<const TIMED: bool> Handler for CompleteThen<TIMED> {
+    type Payload = After;
+    type Output = ();
+    const KIND: &'static str = if TIMED {
+        "complete_then_timed"
+    } else {
+        "complete_then"
+    };
+
+    fn policy() -> KindPolicy {
+        KindPolicy {
+            max_run_time: TIMED.then_some(Duration::from_millis(500)),
+            ..KindPolicy::default()
+        }
+    }
+
+    async fn run(&self, ctx: JobContext, after: After) -> Result<(), JobError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(&format!(
+            "INSERT INTO {} (reference, charge_id, job_id, generation) VALUES ($1, 0, $2, $3)",
+            self.postings
+        ))
+        .bind(format!("job-{}", ctx.job_id()))
+        .bind(ctx.job_id().0)
+        .bind(ctx.generation().0)
+        .execute(&mut *tx)
+        .await?;
+        let outcome = ctx
+            .complete_in(
+                &mut tx,
+                Some(serde_json::json!({ "posted": ctx.job_id().0 })),
+            )
+            .await?;
+        assert_eq!(outcome, CompleteOutcome::Completed);
+        tx.commit().await?;
+        match after {
+            After::Error => Err(JobError::retry(
+                "the receipt e-mail failed after the commit",
+            )),
+            After::Panic => panic!("panicked after the commit"),
+            After::Hang => {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+async fn start_complete_then(db: &TestDb, config: Config) -> Scheduler {
+    Scheduler::builder(db.pool.clone(), config)
+        .register(CompleteThen::<false> {
+            pool: db.pool.clone(),
+            postings: db.table("postings"),
+        })
+        .register(CompleteThen::<true> {
+            pool: db.pool.clone(),
+            postings: db.table("postings"),
+        })
+        .start()
+        .await
+        .unwrap()
+}
+
+/// Attempts ended, by outcome, over every kind.
+fn outcomes(m: &MetricsSnapshot) -> Vec<(Outcome, u64)> {
+    let mut all: std::collections::BTreeMap<&str, (Outcome, u64)> = Default::default();
+    for j in &m.jobs {
+        for (o, n) in &j.outcomes {
+            all.entry(o.as_str()).or_insert((*o, 0)).1 += n;
+        }
+    }
+    all.into_values().filter(|(_, n)| *n > 0).collect()
+}
+
+fn ended(m: &MetricsSnapshot) -> u64 {
+    outcomes(m).iter().map(|(_, n)| n).sum()
+}
+
+/// The job is done by its one attempt, with the result its handler's transaction
+/// stored, no error recorded, and its posting committed.
+async fn assert_done_by_its_transaction(db: &TestDb, id: JobId) {
+    let rec = db.store.job(id).await.unwrap();
+    assert_eq!(
+        (rec.state, rec.attempts, rec.last_error.as_deref()),
+        (JobState::Done, 1, None),
+        "job {id}"
+    );
+    assert_eq!(rec.result, Some(serde_json::json!({ "posted": id.0 })));
+    assert_eq!(
+        db.count_where("postings", &format!("job_id = {}", id.0))
+            .await,
+        1
+    );
+}
+
+/// The attempts' endings as the scheduler counted them: all completed, none stale or
+/// failed, and no lost lease.
+fn assert_all_completed(m: &MetricsSnapshot, n: u64) {
+    assert_eq!(
+        outcomes(m),
+        vec![(Outcome::Completed, n)],
+        "every attempt whose completion committed ends completed: {:?}",
+        m.counters
+    );
+    let c = &m.counters;
+    assert_eq!(
+        (c.stale_completions, c.completed, c.failed, c.dead),
+        (0, n, 0, 0),
+        "{c:?}"
+    );
+    assert_eq!((c.leases_lost, c.lease_deadlines), (0, 0), "{c:?}");
+}
+
+#[test]
+fn an_error_or_a_panic_after_a_committed_complete_in_ends_completed_not_stale() {
+    run_in_system(async {
+        within(60, "errors after committed completions", async {
+            let db = TestDb::with_options("cin_after_error", Default::default(), 3).await;
+            create_postings(&db).await;
+            let mut config = fast_config(&db.schema);
+            config.concurrency = 2;
+            config.connections = 1;
+            let s = start_complete_then(&db, config).await;
+            let mut ids = Vec::new();
+            for after in [After::Error, After::Panic] {
+                ids.push(
+                    s.enqueue_job(NewJob::new(CompleteThen::<false>::KIND, &after).unwrap())
+                        .await
+                        .unwrap(),
+                );
+            }
+            wait_until(20, "both attempts to end", || async {
+                ended(&s.metrics()) >= 2
+            })
+            .await;
+            for &id in &ids {
+                assert_done_by_its_transaction(&db, id).await;
+            }
+            let m = s.metrics();
+            assert_all_completed(&m, 2);
+            assert_eq!(m.counters.panics, 1, "{:?}", m.counters);
+            s.shutdown().await.unwrap();
+            db.drop().await;
+        })
+        .await
+    })
+}
+
+#[test]
+fn a_timeout_a_lease_deadline_or_a_shutdown_after_a_committed_complete_in_ends_completed() {
+    run_in_system(async {
+        within(60, "stops after committed completions", async {
+            let db = TestDb::with_options("cin_after_stop", Default::default(), 3).await;
+            create_postings(&db).await;
+            let mut config = fast_config(&db.schema);
+            config.concurrency = 2;
+            config.connections = 1;
+            // Lease 2 s, renewal 500 ms: an attempt's local deadline is at most 1.75 s
+            // after its last confirmed renewal; the shutdown's grace ends well before.
+            config.shutdown_grace = Duration::from_millis(300);
+            let s = start_complete_then(&db, config).await;
+
+            // Past its run time (500 ms), and past its lease deadline (renewals find the
+            // job done and confirm nothing more), each still hanging.
+            let timed = s
+                .enqueue_job(NewJob::new(CompleteThen::<true>::KIND, &After::Hang).unwrap())
+                .await
+                .unwrap();
+            let leased = s
+                .enqueue_job(NewJob::new(CompleteThen::<false>::KIND, &After::Hang).unwrap())
+                .await
+                .unwrap();
+            wait_until(20, "both attempts to be stopped", || async {
+                ended(&s.metrics()) >= 2
+            })
+            .await;
+            assert_done_by_its_transaction(&db, timed).await;
+            assert_done_by_its_transaction(&db, leased).await;
+            let m = s.metrics();
+            assert_all_completed(&m, 2);
+            assert_eq!(m.counters.timeouts, 1, "{:?}", m.counters);
+
+            // Hanging when the scheduler shuts down: given back after the grace, but
+            // there is nothing to give back.
+            let at_shutdown = s
+                .enqueue_job(NewJob::new(CompleteThen::<false>::KIND, &After::Hang).unwrap())
+                .await
+                .unwrap();
+            wait_until(10, "its completion to commit", || async {
+                db.store.job(at_shutdown).await.unwrap().state == JobState::Done
+            })
+            .await;
+            let report = s.shutdown().await.unwrap();
+            assert_done_by_its_transaction(&db, at_shutdown).await;
+            assert_all_completed(&report.metrics, 3);
+            assert_eq!(
+                report.metrics.counters.released, 0,
+                "{:?}",
+                report.metrics.counters
+            );
+            db.drop().await;
+        })
+        .await
+    })
 }

@@ -39,9 +39,11 @@ fn payment(cents: i64) -> ChargeRequest {
 /// How the handler names its charge step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Keys {
-    /// `once("charge")`: the key is `<job id>/charge`, the same for every attempt.
+    /// `once("charge")`: the key is `<schema identity>/<job id>/charge`, the same for
+    /// every attempt.
     Stable,
-    /// The negative control: a new key per attempt (`<job id>/charge-g<generation>`).
+    /// The negative control: a new key per attempt (`<schema identity>/<job
+    /// id>/charge-g<generation>`).
     PerAttempt,
 }
 
@@ -246,13 +248,14 @@ async fn stale_worker_and_its_successor_share_the_effect_key_and_the_gateway_cha
             (2, 1, 1)
         );
         let log = s.gw.log();
+        let key = s.db.effect_key(s.id, "charge").await;
         assert_eq!(
             log.iter()
                 .map(|e| (e.decision, e.fencing_token, e.idempotency_key.clone()))
                 .collect::<Vec<_>>(),
             vec![
-                (Decision::Applied, Some(7), format!("{}/charge", s.id)),
-                (Decision::Duplicate, Some(8), format!("{}/charge", s.id)),
+                (Decision::Applied, Some(7), key.clone()),
+                (Decision::Duplicate, Some(8), key.clone()),
             ]
         );
 
@@ -263,7 +266,7 @@ async fn stale_worker_and_its_successor_share_the_effect_key_and_the_gateway_cha
         assert_eq!(s.db.count_where("effects", "true").await, 1);
         let ledger =
             s.db.store
-                .effect(&format!("{}/charge", s.id))
+                .effect(&key)
                 .await
                 .unwrap()
                 .expect("the ledger has the charge");
@@ -362,7 +365,7 @@ async fn reconciling_by_lookup_charges_once_even_without_deduplication() {
         let a = owner("a");
         let a_job = db.store.claim(&claim_req(&a, 1)).await.unwrap().remove(0);
         let a_ctx = attempt_context(a_job.clone(), db.store.clone());
-        let key = a_ctx.effect_key("charge");
+        let key = a_ctx.effect_key("charge").await.unwrap();
         let applied = gw
             .client()
             .charge(key.as_str(), Some(fencing_token(&a_job)), &req)
@@ -544,7 +547,7 @@ async fn effect_done_completion_write_fails_the_retry_reuses_the_recorded_outcom
         assert_eq!(rec.result, Some(serde_json::to_value(&a_receipt).unwrap()));
         let ledger = db
             .store
-            .effect(&format!("{id}/charge"))
+            .effect(&db.effect_key(id, "charge").await)
             .await
             .unwrap()
             .unwrap();
@@ -635,7 +638,8 @@ async fn same_effect_key_with_another_request_is_refused_by_the_ledger_and_nothi
             .unwrap_err();
         assert!(err.is_permanent(), "{err}");
         assert!(
-            err.message().contains(&format!("\"{id}/charge\""))
+            err.message()
+                .contains(&format!("{:?}", db.effect_key(id, "charge").await))
                 && err.message().contains("different request"),
             "{err}"
         );

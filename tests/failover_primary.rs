@@ -252,10 +252,17 @@ async fn assert_books(pair: &Pair, ids: &[JobId], gateway: &Arc<Mutex<Gateway>>)
     .await
     .unwrap();
     assert_eq!(rows.len(), ids.len());
+    // The standby's identity is the primary's: the keys the gateway saw are found.
+    let identity: String =
+        sqlx::query_scalar(&format!("SELECT id::text FROM {SCHEMA}.schema_identity"))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    let identity = leasehold::store::SchemaIdentity::parse(&identity).unwrap();
     let g = gateway.lock().unwrap();
     let mut receipts = HashSet::new();
     for (id, result) in rows {
-        let key = leasehold::EffectKey::new(JobId(id), "charge");
+        let key = leasehold::EffectKey::new(&identity, JobId(id), "charge");
         let charged = g.charges.get(key.as_str()).copied();
         assert_eq!(
             result.and_then(|r| r.as_u64()),

@@ -20,7 +20,7 @@ async fn effect_done_but_completion_lost_is_not_repeated_by_the_retry() {
         let db = TestDb::with_options("effects_completion_lost", StoreOptions::default(), 3).await;
         let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("charge")).await.unwrap();
-        let key = effect_key(id);
+        let key = effect_key(&db, id).await;
 
         // A claims, runs its handler (the charge happens and the ledger records it) ...
         // and dies before completing.
@@ -111,7 +111,7 @@ async fn stale_worker_cannot_record_an_effect_after_a_newer_claim() {
         let db = TestDb::new("effects_stale_record").await;
         let h = TestHandler::new(&db).await;
         let id = db.store.enqueue(job("charge")).await.unwrap();
-        let key = effect_key(id);
+        let key = effect_key(&db, id).await;
         let a = owner("a");
         let a_job = db.store.claim(&claim_req(&a, 1)).await.unwrap().remove(0);
 

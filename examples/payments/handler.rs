@@ -46,9 +46,9 @@ pub(crate) fn reference(account: &str, seq: u32) -> String {
 /// How the handler names its charge step, and so the idempotency key it sends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KeyScheme {
-    /// leasehold's way: `<job id>/charge`, the same for every attempt.
+    /// leasehold's way: `<schema identity>/<job id>/charge`, the same for every attempt.
     Stable,
-    /// The mistake the design rules out: `<job id>/charge-g<generation>`.
+    /// The mistake the design rules out: `<schema identity>/<job id>/charge-g<generation>`.
     PerAttempt,
 }
 

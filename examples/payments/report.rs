@@ -49,8 +49,8 @@ pub(crate) fn print_table(a: &RunReport, b: &RunReport) {
     row("", "leasehold".into(), "per-attempt keys (control)".into());
     row(
         "idempotency key sent to the gateway",
-        "<job>/charge".into(),
-        "<job>/charge-g<generation>".into(),
+        "<schema>/<job>/charge".into(),
+        "<schema>/<job>/charge-g<generation>".into(),
     );
     row("jobs by final state", states(a), states(b));
     row(

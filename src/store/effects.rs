@@ -4,6 +4,11 @@
 //! row `FOR SHARE` under the fence, so a reap or a newer claim cannot slip between the
 //! check and the insert. The first outcome recorded for a key wins; later attempts get
 //! it back instead of acting again.
+//!
+//! The ledger holds each key as it went to the effect store: `<schema identity>/<job
+//! id>/<step>` for the keys [`JobContext`](crate::JobContext) makes (see
+//! [`crate::EffectKey`]). It is keyed by that text alone; listings and retention go by
+//! the job.
 
 use std::time::Duration;
 
@@ -32,10 +37,19 @@ pub(super) const LOOKUP: &str = r#"/* leasehold:effect_lookup */
 SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_until
 FROM {s}.effects WHERE effect_key = $1"#;
 
+/// [`LOOKUP`] and the schema's identity now, in one statement: no row when the identity
+/// row is missing, else one, its effect columns null when the key has no record.
+pub(super) const LOOKUP_UNDER: &str = r#"/* leasehold:effect_lookup_under */
+SELECT i.id::text AS schema_identity,
+       e.effect_key, e.job_id, e.generation, e.fingerprint, e.outcome, e.recorded_at, e.keep_until
+FROM {s}.schema_identity i LEFT JOIN {s}.effects e ON e.effect_key = $1"#;
+
 /// A recorded effect.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct EffectRecord {
-    /// The stable key: job id and step name (see [`crate::EffectKey`]).
+    /// The stable key, as it went to the effect store: `<schema identity>/<job
+    /// id>/<step>` for a key [`JobContext`](crate::JobContext) made (see
+    /// [`crate::EffectKey`]); whatever text a caller of [`Store::record_effect`] chose.
     pub effect_key: String,
     /// The job that performed the effect.
     pub job: JobId,
@@ -108,6 +122,39 @@ impl Store {
             .fetch_optional(self.db())
             .await?;
         row.as_ref().map(|r| effect_from_row(r, false)).transpose()
+    }
+
+    /// [`Store::effect`] for a key made with `identity`, checked in the same statement
+    /// against the schema's identity now. One that differs (the schema was dropped and
+    /// created again under this process) or is missing is refused with
+    /// [`Error::SchemaIdentity`], and the store keeps the identity it found: the key
+    /// named another schema's job, and acting under it would meet that job's effects.
+    pub(crate) async fn effect_under(
+        &self,
+        effect_key: &str,
+        identity: &super::SchemaIdentity,
+    ) -> Result<Option<EffectRecord>> {
+        check_name("effect key", effect_key)?;
+        let row = sqlx::query(&self.sql().effect_lookup_under)
+            .bind(effect_key)
+            .fetch_optional(self.db())
+            .await?;
+        let found: Option<String> = row
+            .as_ref()
+            .map(|r| r.try_get("schema_identity"))
+            .transpose()?;
+        let now = self.keep_identity(found.as_deref())?;
+        if &now != identity {
+            return Err(self.identity_error(&format!(
+                "it is {now} now, not {identity} as when this process read it (the schema was                  created again?); nothing was done, and the next attempt makes its keys with                  the new identity"
+            )));
+        }
+        let row = row.expect("an identity was found, so there is a row");
+        let recorded: Option<String> = row.try_get("effect_key")?;
+        match recorded {
+            None => Ok(None),
+            Some(_) => effect_from_row(&row, false).map(Some),
+        }
     }
 
     /// The effects a job recorded, oldest first (for an operator looking at the job;

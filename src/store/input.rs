@@ -32,9 +32,9 @@
 //! only the database can tell: such a write runs in a savepoint when it is inside the
 //! caller's transaction (so a refusal leaves that transaction usable), and the
 //! database's refusal comes back as [`Error::InvalidInput`] naming the field and the
-//! limit. An effect key is only ever a job id and a step name chosen in code, and its
-//! refusal would come after the effect happened, so it must fit for sure: at most
-//! [`INDEXED_TEXT_ALWAYS_FITS`] bytes.
+//! limit. An effect key is only ever the schema's identity (36 bytes), a job id and a
+//! step name chosen in code, and its refusal would come after the effect happened, so
+//! it must fit for sure: at most [`INDEXED_TEXT_ALWAYS_FITS`] bytes, the whole key.
 
 use serde_json::Value;
 

@@ -104,10 +104,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "results, progress and effect outcomes too deep to read back refused by the schema",
         include_str!("../../migrations/0017_readable_json.sql"),
     ),
+    (
+        18,
+        "the schema's identity, the first part of every effect key",
+        include_str!("../../migrations/0018_schema_identity.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 17;
+pub const SCHEMA_VERSION: i32 = 18;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

@@ -18,6 +18,7 @@ mod enqueue;
 mod exec;
 pub use enqueue::MAX_DELAY;
 mod fail;
+mod identity;
 mod input;
 pub(crate) use input::{
     check_effect_key, check_json, check_name, to_json, unstorable_json, JsonLimit,
@@ -50,6 +51,7 @@ pub use claim::ClaimRequest;
 pub(crate) use complete::KeyedItem;
 pub use effects::{EffectRecord, RecordOutcome};
 pub use fail::Failure;
+pub use identity::SchemaIdentity;
 pub use inspect::{JobFilter, JobPage, LeaseExpiry, DEFAULT_PAGE, MAX_PAGE, SEARCH_STRETCH};
 pub(crate) use keys::Chain;
 pub use lease::RenewReport;
@@ -150,6 +152,9 @@ struct Inner {
     options: StoreOptions,
     sql: Statements,
     wakeups: wakeups::Wakeups,
+    /// The schema's identity once read (see `identity`), shared with every store made
+    /// from this one for another pool.
+    identity: identity::Cached,
     /// Behind a transaction pooler: the `lock_timeout` each transaction of this store
     /// sets for itself (`SET LOCAL`), where a session setting cannot be used. The
     /// scheduler's writer store has one (see `scheduler::pools::SidePools::writer`).
@@ -168,6 +173,7 @@ impl Store {
                 options,
                 sql,
                 wakeups: wakeups::Wakeups::default(),
+                identity: identity::Cached::default(),
                 lock_wait: None,
             }),
         })
@@ -188,6 +194,10 @@ impl Store {
     /// already exists`, an unexpected `NotificationResponse`). It refuses then with
     /// [`Error::Config`](crate::Error::Config) for `store.transaction_pooler`, before it
     /// has changed anything.
+    ///
+    /// Then it reads the schema's identity ([`Store::schema_identity`]) and keeps it, so
+    /// no effect waits for it; a schema without one is refused with
+    /// [`Error::SchemaIdentity`](crate::Error::SchemaIdentity).
     pub async fn migrate(&self) -> Result<()> {
         if !self.options().transaction_pooler {
             refuse_transaction_pooler(&self.inner.pool).await?;
@@ -197,7 +207,8 @@ impl Store {
             &self.inner.schema,
             self.options().transaction_pooler,
         )
-        .await
+        .await?;
+        self.read_schema_identity().await.map(|_| ())
     }
 
     /// The SQL [`Store::migrate`] would run now, as one script to apply by hand (it
@@ -212,7 +223,8 @@ impl Store {
         .await
     }
 
-    /// The same store over another pool (the scheduler's maintenance connections).
+    /// The same store over another pool (the scheduler's maintenance connections),
+    /// sharing the schema identity this one read ([`Store::schema_identity`]).
     pub fn with_pool(&self, pool: PgPool) -> Store {
         let i = &self.inner;
         let sql = Statements::render(&i.schema);
@@ -223,6 +235,7 @@ impl Store {
                 options: i.options.clone(),
                 sql,
                 wakeups: wakeups::Wakeups::default(),
+                identity: i.identity.clone(),
                 lock_wait: None,
             }),
         }
@@ -240,6 +253,7 @@ impl Store {
                 options: i.options.clone(),
                 sql: Statements::render(&i.schema),
                 wakeups: wakeups::Wakeups::default(),
+                identity: i.identity.clone(),
                 lock_wait: Some(wait),
             }),
         }
@@ -300,6 +314,10 @@ impl Store {
 
     pub(crate) fn wakeups(&self) -> &wakeups::Wakeups {
         &self.inner.wakeups
+    }
+
+    fn cached_identity(&self) -> &identity::Cached {
+        &self.inner.identity
     }
 }
 
@@ -444,6 +462,7 @@ pub(crate) struct Statements {
     pub reap: String,
     pub effect_record: String,
     pub effect_lookup: String,
+    pub effect_lookup_under: String,
 }
 
 impl Statements {
@@ -471,6 +490,7 @@ impl Statements {
             reap: s.render(reap::REAP),
             effect_record: s.render(effects::RECORD),
             effect_lookup: s.render(effects::LOOKUP),
+            effect_lookup_under: s.render(effects::LOOKUP_UNDER),
         }
     }
 }

@@ -26,9 +26,9 @@
 //! the server answers any number of lines per connection):
 //!
 //! ```text
-//! → {"op":"charge","key":"17/charge","token":8,"request":{"account":"acct-01","amount_cents":1250,"reference":"acct-01/003"},"fault":null}
-//! ← {"result":"applied","receipt":{"charge_id":3,"idempotency_key":"17/charge",...}}
-//! → {"op":"lookup","key":"17/charge"}
+//! → {"op":"charge","key":"0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/17/charge","token":8,"request":{"account":"acct-01","amount_cents":1250,"reference":"acct-01/003"},"fault":null}
+//! ← {"result":"applied","receipt":{"charge_id":3,"idempotency_key":"0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/17/charge",...}}
+//! → {"op":"lookup","key":"0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/17/charge"}
 //! ← {"result":"found","receipt":{...}}            (receipt null if never applied)
 //! ```
 //!

@@ -3,7 +3,7 @@
 //! A store test claims jobs with `Store::claim` itself and then plays the worker. The
 //! handler here does what a real handler does with such a job: it runs its effect
 //! through the library's [`JobContext::once`] (the context `testkit::attempt_context`
-//! gives it), under the stable key `<job>/run`, and the act inserts one row into
+//! gives it), under the stable key `<schema identity>/<job>/run`, and the act inserts one row into
 //! `test_effects` — a store with no unique constraint, so an effect the library lets
 //! happen twice is a second row. The handler keeps its own execution log: start and end
 //! on the monotonic clock, and which way the step went (the ledger had the outcome, the
@@ -34,9 +34,10 @@ use crate::common::TestDb;
 /// The handler's one effect step.
 pub const STEP: &str = "run";
 
-/// The stable effect key of `job`'s step: what the ledger and `test_effects` use.
-pub fn effect_key(job: JobId) -> String {
-    EffectKey::new(job, STEP).to_string()
+/// The stable effect key of `job`'s step in `db`'s schema: what the ledger and
+/// `test_effects` use.
+pub async fn effect_key(db: &TestDb, job: JobId) -> String {
+    db.effect_key(job, STEP).await
 }
 
 /// Which way a run's effect step went.
@@ -259,13 +260,16 @@ impl TestDb {
 
     /// The library's ledger entry for `job`'s step.
     pub async fn ledger(&self, job: JobId) -> Option<EffectRecord> {
-        self.store.effect(&effect_key(job)).await.unwrap()
+        self.store
+            .effect(&effect_key(self, job).await)
+            .await
+            .unwrap()
     }
 
     /// `job`'s effect happened exactly once, by the act of generation `applied_by`, and
     /// the library's ledger holds that outcome, recorded by generation `recorded_by`.
     pub async fn assert_effect_once(&self, job: JobId, applied_by: i64, recorded_by: i64) {
-        let key = effect_key(job);
+        let key = effect_key(self, job).await;
         let applied = self
             .effects_applied()
             .await
@@ -307,7 +311,7 @@ impl TestDb {
         .await
         .unwrap();
         for &id in &done {
-            let key = effect_key(JobId(id));
+            let key = effect_key(self, JobId(id)).await;
             let by = applied
                 .get(&key)
                 .unwrap_or_else(|| panic!("job {id} is done but its effect never happened"));

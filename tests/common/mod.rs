@@ -461,6 +461,12 @@ impl TestDb {
         .unwrap()
     }
 
+    /// The effect key `JobContext` makes for `job`'s `step` in this schema.
+    pub async fn effect_key(&self, job: JobId, step: &str) -> String {
+        let identity = self.store.schema_identity().await.unwrap();
+        leasehold::EffectKey::new(&identity, job, step).to_string()
+    }
+
     /// Rows of `jobs` (and `job_keys`) — "nothing was written" checks.
     pub async fn job_count(&self) -> i64 {
         self.count_where("jobs", "true").await

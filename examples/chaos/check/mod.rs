@@ -46,7 +46,7 @@ pub const INVARIANTS: [(&str, &str); 34] = [
     ),
     (
         "effect_key_unstable",
-        "an effect key that is not <job>/<step>",
+        "an effect key that is not <schema identity>/<job>/<step>, the run's one identity",
     ),
     (
         "effect_missing",
