@@ -45,7 +45,11 @@ impl Bouncer {
         );
         let ini_path = dir.join("pgbouncer.ini");
         std::fs::write(&ini_path, ini).unwrap();
-        Command::new("chown").args(["-R", "postgres"]).arg(&dir).status().unwrap();
+        Command::new("chown")
+            .args(["-R", "postgres"])
+            .arg(&dir)
+            .status()
+            .unwrap();
         let child = Command::new("runuser")
             .args(["-u", "postgres", "--", BINARY])
             .arg(&ini_path)
@@ -57,7 +61,10 @@ impl Bouncer {
         let b = Bouncer { port, dir, child };
         let t = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(10), "pgbouncer did not start");
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "pgbouncer did not start"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         b
@@ -78,7 +85,9 @@ impl Drop for Bouncer {
         if let Ok(pid) = pid.trim().parse::<i32>() {
             let _ = Command::new("kill").arg(pid.to_string()).status();
         }
-        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -88,14 +97,19 @@ impl Drop for Bouncer {
 async fn warm(b: &Bouncer, n: usize) -> Vec<i32> {
     let mut conns = Vec::new();
     for _ in 0..n {
-        let mut c = sqlx::PgConnection::connect_with(&b.options()).await.unwrap();
+        let mut c = sqlx::PgConnection::connect_with(&b.options())
+            .await
+            .unwrap();
         sqlx::raw_sql("BEGIN").execute(&mut c).await.unwrap();
         conns.push(c);
     }
     let mut pids = Vec::new();
     for c in conns.iter_mut() {
         use sqlx::Row;
-        let row = sqlx::raw_sql("SELECT pg_backend_pid()").fetch_one(&mut *c).await.unwrap();
+        let row = sqlx::raw_sql("SELECT pg_backend_pid()")
+            .fetch_one(&mut *c)
+            .await
+            .unwrap();
         pids.push(row.get::<i32, _>(0));
     }
     for mut c in conns {
@@ -151,7 +165,11 @@ fn a_round_robin_transaction_pooler_without_the_switch_runs_jobs_or_refuses() {
         let db = TestDb::new("atk_pool_rr2").await;
         let ids = db
             .store
-            .enqueue_many((0..20).map(|_| NewJob::from_json("quick", serde_json::json!({}))).collect())
+            .enqueue_many(
+                (0..20)
+                    .map(|_| NewJob::from_json("quick", serde_json::json!({})))
+                    .collect(),
+            )
             .await
             .unwrap();
         let b = Bouncer::start("server_round_robin = 1", 2);
@@ -159,7 +177,10 @@ fn a_round_robin_transaction_pooler_without_the_switch_runs_jobs_or_refuses() {
         let pool = pooled(&b).await;
         let mut c = fast_config(&db.schema);
         c.listen = false;
-        let started = Scheduler::builder(pool.clone(), c).register(Quick).start().await;
+        let started = Scheduler::builder(pool.clone(), c)
+            .register(Quick)
+            .start()
+            .await;
         match started {
             Err(e) => {
                 assert!(e.to_string().contains("store.transaction_pooler"), "{e}");

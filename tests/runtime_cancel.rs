@@ -292,9 +292,12 @@ fn a_cancel_notification_without_a_recorded_cancel_never_stops_a_handler() {
     run_in_system(within(60, "cancel: hint only", async {
         let s = setup("rt_cancel_hint", OnCancel::Stop).await;
         let neighbour_schema = format!("cancel_{}", s.db.schema);
-        let neighbour =
-            leasehold::Store::new(s.db.owner.clone(), &neighbour_schema, StoreOptions::default())
-                .unwrap();
+        let neighbour = leasehold::Store::new(
+            s.db.owner.clone(),
+            &neighbour_schema,
+            StoreOptions::default(),
+        )
+        .unwrap();
         neighbour.migrate().await.unwrap();
         // The neighbour's queue is named like the head's id: its wake-up payload.
         neighbour

@@ -85,7 +85,9 @@ async fn max_overlap(db: &TestDb, queue: Option<&str>) -> i64 {
 }
 
 fn sleep_job(queue: &str, ms: u64) -> NewJob {
-    NewJob::new("timed", &Sleep { ms }).unwrap().with_queue(queue)
+    NewJob::new("timed", &Sleep { ms })
+        .unwrap()
+        .with_queue(queue)
 }
 
 #[test]
@@ -105,7 +107,10 @@ fn a_capped_queue_never_runs_more_than_its_cap_keyed_and_unkeyed() {
         c.queues = vec!["default".into(), "webhooks".into()];
         c.queue_concurrency.insert("webhooks".into(), 2);
         let s = Scheduler::builder(db.pool.clone(), c)
-            .register(Timed { pool: db.pool.clone(), schema: db.schema.clone() })
+            .register(Timed {
+                pool: db.pool.clone(),
+                schema: db.schema.clone(),
+            })
             .start()
             .await
             .unwrap();
@@ -136,19 +141,27 @@ fn an_empty_capped_queue_reserves_nothing_even_when_its_cap_is_the_whole_concurr
             .enqueue_many((0..4).map(|_| sleep_job("webhooks", 10)).collect())
             .await
             .unwrap();
-        db.store.pause_queue("webhooks", Some("test")).await.unwrap();
+        db.store
+            .pause_queue("webhooks", Some("test"))
+            .await
+            .unwrap();
         let mut c = fast_config(&db.schema);
         c.concurrency = 4;
         c.queues = vec!["webhooks".into(), "empty".into(), "default".into()];
         c.queue_concurrency.insert("webhooks".into(), 4);
         c.queue_concurrency.insert("empty".into(), 4);
         let s = Scheduler::builder(db.pool.clone(), c)
-            .register(Timed { pool: db.pool.clone(), schema: db.schema.clone() })
+            .register(Timed {
+                pool: db.pool.clone(),
+                schema: db.schema.clone(),
+            })
             .start()
             .await
             .unwrap();
         wait_until(10, "four default jobs running at once", || async {
-            db.count_where("runs", "ended IS NULL AND queue = 'default'").await == 4
+            db.count_where("runs", "ended IS NULL AND queue = 'default'")
+                .await
+                == 4
         })
         .await;
         s.shutdown().await.unwrap();
@@ -162,7 +175,9 @@ fn priority_holds_across_a_capped_and_an_uncapped_queue() {
         let db = TestDb::with_options("atk_caps_prio", Default::default(), POOL).await;
         runs_table(&db).await;
         // Urgent default jobs (priority -5), then low-priority capped ones, enqueued first.
-        let mut jobs: Vec<NewJob> = (0..4).map(|_| sleep_job("webhooks", 300).with_priority(5)).collect();
+        let mut jobs: Vec<NewJob> = (0..4)
+            .map(|_| sleep_job("webhooks", 300).with_priority(5))
+            .collect();
         jobs.extend((0..4).map(|_| sleep_job("default", 300).with_priority(-5)));
         db.store.enqueue_many(jobs).await.unwrap();
         let mut c = fast_config(&db.schema);
@@ -171,7 +186,10 @@ fn priority_holds_across_a_capped_and_an_uncapped_queue() {
         c.queues = vec!["webhooks".into(), "default".into()];
         c.queue_concurrency.insert("webhooks".into(), 2);
         let s = Scheduler::builder(db.pool.clone(), c)
-            .register(Timed { pool: db.pool.clone(), schema: db.schema.clone() })
+            .register(Timed {
+                pool: db.pool.clone(),
+                schema: db.schema.clone(),
+            })
             .start()
             .await
             .unwrap();
@@ -187,7 +205,11 @@ fn priority_holds_across_a_capped_and_an_uncapped_queue() {
         .fetch_all(&db.pool)
         .await
         .unwrap();
-        assert_eq!(order, vec!["default"; 4], "priority -5 jobs must start first");
+        assert_eq!(
+            order,
+            vec!["default"; 4],
+            "priority -5 jobs must start first"
+        );
         db.drop().await;
     }))
 }
@@ -226,7 +248,10 @@ fn concurrent_and_timed_out_shutdown_callers_all_get_the_one_report() {
             .start()
             .await
             .unwrap();
-        wait_until(10, "running", || async { db.state_of(id).await == "running" }).await;
+        wait_until(10, "running", || async {
+            db.state_of(id).await == "running"
+        })
+        .await;
         // A first caller gives up at once, then three at once, then one more.
         let gave_up = tokio::time::timeout(Duration::from_millis(50), s.shutdown()).await;
         assert!(gave_up.is_err());
@@ -237,7 +262,13 @@ fn concurrent_and_timed_out_shutdown_callers_all_get_the_one_report() {
         });
         let (a, b, c2) = (a.unwrap(), b.unwrap(), c2.unwrap());
         for r in [&a, &b, &c2] {
-            assert_eq!((r.drained, r.cancelled), (0, 1), "report: drained {} cancelled {}", r.drained, r.cancelled);
+            assert_eq!(
+                (r.drained, r.cancelled),
+                (0, 1),
+                "report: drained {} cancelled {}",
+                r.drained,
+                r.cancelled
+            );
         }
         let late = s.shutdown().await.unwrap();
         assert_eq!((late.drained, late.cancelled), (0, 1));
@@ -281,17 +312,26 @@ fn a_handler_calling_shutdown_on_its_own_scheduler_does_not_hang_it() {
         let mut c = fast_config(&db.schema);
         c.shutdown_grace = Duration::from_millis(1000);
         let s = Scheduler::builder(db.pool.clone(), c)
-            .register(StopMe { handle: handle.clone(), report: report.clone() })
+            .register(StopMe {
+                handle: handle.clone(),
+                report: report.clone(),
+            })
             .start()
             .await
             .unwrap();
         let _ = handle.set(s.clone());
         let r = tokio::time::timeout(Duration::from_secs(15), async {
-            wait_until(10, "the job to run", || async { db.state_of(id).await != "pending" }).await;
+            wait_until(10, "the job to run", || async {
+                db.state_of(id).await != "pending"
+            })
+            .await;
             s.shutdown().await
         })
         .await;
-        assert!(r.is_ok(), "shutdown called from a handler hung the scheduler's shutdown");
+        assert!(
+            r.is_ok(),
+            "shutdown called from a handler hung the scheduler's shutdown"
+        );
         let j = db.store.job(id).await.unwrap();
         assert_ne!(j.state, JobState::Running, "{j:?}");
         db.drop().await;

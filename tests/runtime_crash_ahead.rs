@@ -25,16 +25,9 @@ const WORKER_ENTRY: &str = "worker_process";
 const LEASE: Duration = Duration::from_secs(2);
 
 fn step(n: i64, sleep_ms: u64, abort: bool) -> NewJob {
-    NewJob::new(
-        "logged",
-        &Step {
-            n,
-            sleep_ms,
-            abort,
-        },
-    )
-    .unwrap()
-    .with_max_attempts(1)
+    NewJob::new("logged", &Step { n, sleep_ms, abort })
+        .unwrap()
+        .with_max_attempts(1)
 }
 
 async fn runs_of(db: &TestDb, id: JobId) -> i64 {
@@ -55,8 +48,7 @@ fn a_sigkill_never_dead_letters_the_jobs_claimed_ahead_and_spends_the_started_on
             .enqueue_many((0..600).map(|n| step(n, 10, false)).collect())
             .await
             .unwrap();
-        let mut child =
-            ChildWorker::spawn_with(WORKER_ENTRY, &db.schema, "victim", LEASE, Some(1));
+        let mut child = ChildWorker::spawn_with(WORKER_ENTRY, &db.schema, "victim", LEASE, Some(1));
         child.ready(&db).await;
         wait_until(30, "jobs to be claimed ahead of the slot", || async {
             db.count_where("jobs", "state = 'running'").await >= 3

@@ -54,7 +54,11 @@ impl Handler for DeepOutput {
     type Output = serde_json::Value;
     const KIND: &'static str = "deep_output";
 
-    async fn run(&self, _ctx: JobContext, _p: serde_json::Value) -> Result<serde_json::Value, JobError> {
+    async fn run(
+        &self,
+        _ctx: JobContext,
+        _p: serde_json::Value,
+    ) -> Result<serde_json::Value, JobError> {
         Ok(deep(self.depth))
     }
 }
@@ -73,7 +77,8 @@ fn deep_child() {
             let system = actix::System::new();
             system.block_on(async move {
                 let pool = pool_for(&format!("lh-{schema}-child"), POOL).await;
-                let store = leasehold::Store::new(pool.clone(), &schema, Default::default()).unwrap();
+                let store =
+                    leasehold::Store::new(pool.clone(), &schema, Default::default()).unwrap();
                 match mode.as_str() {
                     "newjob" => {
                         let v = Box::leak(Box::new(deep(depth)));
@@ -82,24 +87,20 @@ fn deep_child() {
                         println!("CHILD-NEWJOB-RETURNED");
                         match r {
                             Err(e) => println!("CHILD-REFUSED {e}"),
-                            Ok(job) => {
-                                match store.enqueue(job).await {
-                                    Err(e) => println!("CHILD-REFUSED {e}"),
-                                    Ok(id) => println!("CHILD-ACCEPTED {id:?}"),
-                                }
-                            }
+                            Ok(job) => match store.enqueue(job).await {
+                                Err(e) => println!("CHILD-REFUSED {e}"),
+                                Ok(id) => println!("CHILD-ACCEPTED {id:?}"),
+                            },
                         }
                     }
                     "newjob_typed" => {
                         let v = Box::leak(Box::new(deep_tree(depth)));
                         match NewJob::new("k", &*v) {
                             Err(e) => println!("CHILD-REFUSED {e}"),
-                            Ok(job) => {
-                                match store.enqueue(job).await {
-                                    Err(e) => println!("CHILD-REFUSED {e}"),
-                                    Ok(id) => println!("CHILD-ACCEPTED {id:?}"),
-                                }
-                            }
+                            Ok(job) => match store.enqueue(job).await {
+                                Err(e) => println!("CHILD-REFUSED {e}"),
+                                Ok(id) => println!("CHILD-ACCEPTED {id:?}"),
+                            },
                         }
                     }
                     "progress" => {
@@ -151,7 +152,13 @@ fn deep_child() {
 fn run_child(schema: &str, mode: &str, depth: usize) -> (std::process::ExitStatus, String) {
     let exe = std::env::current_exe().unwrap();
     let out = Command::new(exe)
-        .args(["deep_child", "--exact", "--nocapture", "--test-threads", "1"])
+        .args([
+            "deep_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env(MODE_VAR, mode)
         .env(SCHEMA_VAR, schema)
         .env(DEPTH_VAR, depth.to_string())
@@ -168,12 +175,22 @@ fn run_child(schema: &str, mode: &str, depth: usize) -> (std::process::ExitStatu
 }
 
 fn assert_refused_not_crashed(what: &str, status: std::process::ExitStatus, out: &str) {
-    let tail: String = out.chars().rev().take(1500).collect::<Vec<_>>().into_iter().rev().collect();
+    let tail: String = out
+        .chars()
+        .rev()
+        .take(1500)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
     assert!(
         status.success() && out.contains("CHILD-END"),
         "{what}: the process died ({status}) instead of refusing the value:\n{tail}"
     );
-    assert!(out.contains("CHILD-REFUSED"), "{what}: not refused:\n{tail}");
+    assert!(
+        out.contains("CHILD-REFUSED"),
+        "{what}: not refused:\n{tail}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -181,9 +198,10 @@ async fn newjob_new_of_a_10000_deep_value_is_refused_not_a_stack_overflow() {
     bounded(async {
         let db = TestDb::new("atk_deep_newjob").await;
         let schema = db.schema.clone();
-        let (status, out) = tokio::task::spawn_blocking(move || run_child(&schema, "newjob", 10_000))
-            .await
-            .unwrap();
+        let (status, out) =
+            tokio::task::spawn_blocking(move || run_child(&schema, "newjob", 10_000))
+                .await
+                .unwrap();
         assert_refused_not_crashed("NewJob::new(serde_json::Value 10,000 deep)", status, &out);
         assert_eq!(db.count_where("jobs", "true").await, 0);
         db.drop().await;
@@ -237,7 +255,14 @@ async fn a_handler_output_10000_deep_fails_its_attempt_not_the_process() {
             tokio::task::spawn_blocking(move || run_child(&schema, "output", 10_000))
                 .await
                 .unwrap();
-        let tail: String = out.chars().rev().take(1500).collect::<Vec<_>>().into_iter().rev().collect();
+        let tail: String = out
+            .chars()
+            .rev()
+            .take(1500)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
         assert!(
             status.success() && out.contains("CHILD-END"),
             "a handler's 10,000-deep output killed the scheduler's process ({status}):\n{tail}"

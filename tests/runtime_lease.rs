@@ -135,8 +135,11 @@ async fn running_cancellable(test: &str) -> LostLease {
     assert_eq!(got, id);
     // The renewer records the start soon after it: an expiry counts as an attempt then.
     wait_until(10, "the start to be recorded", || async {
-        db.count_where("jobs", &format!("id = {} AND started_generation = generation", id.0))
-            .await
+        db.count_where(
+            "jobs",
+            &format!("id = {} AND started_generation = generation", id.0),
+        )
+        .await
             == 1
     })
     .await;

@@ -40,16 +40,33 @@ fn workload(keys: usize, per_key: i64, unkeyed: i64, sleep_ms: u64) -> Vec<Vec<N
         let mut wave = Vec::new();
         for k in 0..keys {
             wave.push(
-                NewJob::new("logged", &Step { n, sleep_ms, abort: false })
-                    .unwrap()
-                    .with_key(format!("acct-{k:03}")),
+                NewJob::new(
+                    "logged",
+                    &Step {
+                        n,
+                        sleep_ms,
+                        abort: false,
+                    },
+                )
+                .unwrap()
+                .with_key(format!("acct-{k:03}")),
             );
             // Unkeyed jobs spread evenly through the waves.
             while (u + 1) * per_key * keys as i64
                 <= unkeyed * ((n - 1) * keys as i64 + k as i64 + 1)
             {
                 u += 1;
-                wave.push(NewJob::new("logged", &Step { n: u, sleep_ms, abort: false }).unwrap());
+                wave.push(
+                    NewJob::new(
+                        "logged",
+                        &Step {
+                            n: u,
+                            sleep_ms,
+                            abort: false,
+                        },
+                    )
+                    .unwrap(),
+                );
             }
         }
         waves.push(wave);

@@ -70,12 +70,16 @@ fn a_refused_heartbeat_never_stops_reaping_or_retention() {
             .start()
             .await
             .unwrap();
-        wait_until(20, "the crashed process's job to be reaped and run", || async {
-            db.store.job(crashed).await.unwrap().state == JobState::Done
-        })
+        wait_until(
+            20,
+            "the crashed process's job to be reaped and run",
+            || async { db.store.job(crashed).await.unwrap().state == JobState::Done },
+        )
         .await;
         wait_until(20, "retention to prune the finished job", || async {
-            db.count_where("jobs", &format!("id = {}", finished.0)).await == 0
+            db.count_where("jobs", &format!("id = {}", finished.0))
+                .await
+                == 0
         })
         .await;
         let m = scheduler.metrics();
@@ -85,7 +89,10 @@ fn a_refused_heartbeat_never_stops_reaping_or_retention() {
             m.counters
         );
         let shown = m.informational_error.clone().unwrap_or_default();
-        assert!(shown.contains("schedulers"), "informational_error: {shown:?}");
+        assert!(
+            shown.contains("schedulers"),
+            "informational_error: {shown:?}"
+        );
         assert_eq!(
             db.count_where("lease_expiries", &format!("job_id = {}", crashed.0))
                 .await,

@@ -52,7 +52,8 @@ async fn host_rows(db: &TestDb, table: &str) -> Vec<String> {
 /// naming the connection, with nothing written; the host's own insert and `COMMIT`
 /// then work, and both host rows are there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_enqueue_needing_a_savepoint_inside_a_plain_begin_is_refused_and_leaves_the_host_transaction_usable() {
+async fn an_enqueue_needing_a_savepoint_inside_a_plain_begin_is_refused_and_leaves_the_host_transaction_usable(
+) {
     bounded(async {
         let db = TestDb::new("atk_tx_plainbegin").await;
         let table = host_table(&db).await;
@@ -79,7 +80,8 @@ async fn an_enqueue_needing_a_savepoint_inside_a_plain_begin_is_refused_and_leav
 /// transaction of its own): refused rather than committing the host's transaction
 /// early; the host's rollback then undoes the host's row, and no job exists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_unique_enqueue_inside_a_plain_begin_is_refused_and_the_hosts_rollback_undoes_everything() {
+async fn a_unique_enqueue_inside_a_plain_begin_is_refused_and_the_hosts_rollback_undoes_everything()
+{
     bounded(async {
         let db = TestDb::new("atk_tx_plainuniq").await;
         let table = host_table(&db).await;
@@ -88,11 +90,20 @@ async fn a_unique_enqueue_inside_a_plain_begin_is_refused_and_the_hosts_rollback
         host_insert(&mut conn, &table, "order-1").await.unwrap();
         let err = db
             .store
-            .enqueue_in(&mut conn, job("charge").unique("order-1", UniqueScope::Forever))
+            .enqueue_in(
+                &mut conn,
+                job("charge").unique("order-1", UniqueScope::Forever),
+            )
             .await
             .unwrap_err();
         assert!(
-            matches!(err, Error::InvalidInput { field: "connection", .. }),
+            matches!(
+                err,
+                Error::InvalidInput {
+                    field: "connection",
+                    ..
+                }
+            ),
             "{err:?}"
         );
         sqlx::query("ROLLBACK").execute(&mut conn).await.unwrap();
@@ -125,7 +136,9 @@ async fn queue_and_key_of_exactly_the_always_fits_bytes_fit_in_every_index() {
             let key = incompressible(INDEXED_TEXT_ALWAYS_FITS - qlen + 7)[7..].to_string();
             assert_eq!(queue.len() + key.len(), INDEXED_TEXT_ALWAYS_FITS);
             let mut tx = db.pool.begin().await.unwrap();
-            host_insert(&mut tx, &table, &format!("{label}-before")).await.unwrap();
+            host_insert(&mut tx, &table, &format!("{label}-before"))
+                .await
+                .unwrap();
             for n in 0..2 {
                 let r = db
                     .store
@@ -147,7 +160,11 @@ async fn queue_and_key_of_exactly_the_always_fits_bytes_fit_in_every_index() {
             let mut tx = db.pool.begin().await.unwrap();
             let r = db
                 .store
-                .enqueue_in(&mut tx, NewJob::from_json(kind, serde_json::json!({})).unique(ukey, UniqueScope::Forever))
+                .enqueue_in(
+                    &mut tx,
+                    NewJob::from_json(kind, serde_json::json!({}))
+                        .unique(ukey, UniqueScope::Forever),
+                )
                 .await;
             assert!(r.is_ok(), "kind {klen} + unique key: {r:?}");
             tx.commit().await.unwrap();
@@ -226,7 +243,10 @@ async fn pooled_mode_refusal_inside_the_hosts_transaction_leaves_it_usable() {
             .enqueue_in(&mut tx, job("k").with_key(incompressible(3000)))
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::InvalidInput { field: "key", .. }), "{err:?}");
+        assert!(
+            matches!(err, Error::InvalidInput { field: "key", .. }),
+            "{err:?}"
+        );
         host_insert(&mut tx, &table, "after").await.expect("usable");
         tx.commit().await.unwrap();
         assert_eq!(host_rows(&db, &table).await, vec!["after", "before"]);

@@ -76,7 +76,10 @@ async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_gene
         assert_eq!(new_state, "pending");
         let rec = db.store.job(id).await.unwrap();
         assert_eq!(rec.state, JobState::Pending);
-        assert_eq!(rec.attempts, 0, "an attempt that never started is not spent");
+        assert_eq!(
+            rec.attempts, 0,
+            "an attempt that never started is not spent"
+        );
         assert_eq!(
             rec.available_at, at,
             "a job that never started is claimable again at once, without backoff"
@@ -97,7 +100,10 @@ async fn worker_killed_after_claim_commit_is_reaped_and_reclaimed_with_next_gene
         assert_eq!(again.len(), 1);
         assert_eq!(again[0].id, id);
         assert_eq!(again[0].generation, Generation(2));
-        assert_eq!(again[0].attempt, 1, "the attempt that never started is not counted");
+        assert_eq!(
+            again[0].attempt, 1,
+            "the attempt that never started is not counted"
+        );
         let b_run = h.run(&db.store, &again[0]).await;
         assert_eq!(b_run.path, Path::Acted);
         assert_eq!(

@@ -159,7 +159,10 @@ impl LeaseRenewer {
 
     /// Renew the leases of every attempt held here or, with `starts_only`, of those whose
     /// start is not recorded yet (nothing to send when there are none).
-    fn renew(&mut self, starts_only: bool) -> Option<impl ActorFuture<Self, Output = (usize, usize)>> {
+    fn renew(
+        &mut self,
+        starts_only: bool,
+    ) -> Option<impl ActorFuture<Self, Output = (usize, usize)>> {
         if starts_only && self.recording_starts {
             // The last look's statement is still out: the next look takes its place.
             return None;

@@ -180,11 +180,9 @@ impl Actor for Reaper {
         // Listed as live from the start, not from the first pass.
         let (store, heartbeat) = (self.store.clone(), self.heartbeat.clone());
         ctx.spawn(
-            async move {
-                store.heartbeat(&heartbeat).await
-            }
-            .into_actor(self)
-            .map(|beat, act, _| act.metrics.informational_write(beat.err().as_ref())),
+            async move { store.heartbeat(&heartbeat).await }
+                .into_actor(self)
+                .map(|beat, act, _| act.metrics.informational_write(beat.err().as_ref())),
         );
         ctx.run_interval(self.interval, |act, ctx| {
             if !act.busy {

@@ -257,10 +257,7 @@ impl Metrics {
     /// that refuses every heartbeat logs once, not every pass); a success after failures
     /// is logged once and clears the snapshot's `informational_error`.
     pub(crate) fn informational_write(&self, error: Option<&crate::Error>) {
-        let mut last = self
-            .informational
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut last = self.informational.lock().unwrap_or_else(|p| p.into_inner());
         match error {
             Some(e) => {
                 self.incr(|c| &c.informational_write_failures);

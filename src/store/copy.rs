@@ -76,7 +76,12 @@ impl Store {
 
     /// [`Store::enqueue_copy_in`]; `callers` says `conn` is the caller's, which may be
     /// inside a transaction sqlx cannot see (see `exec::refuse_hidden_transaction`).
-    async fn copy_on(&self, conn: &mut PgConnection, jobs: Vec<NewJob>, callers: bool) -> Result<u64> {
+    async fn copy_on(
+        &self,
+        conn: &mut PgConnection,
+        jobs: Vec<NewJob>,
+        callers: bool,
+    ) -> Result<u64> {
         if jobs.is_empty() {
             return Ok(0);
         }

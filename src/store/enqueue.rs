@@ -311,8 +311,8 @@ impl Store {
         }
         // A unique job's transaction and a long text's savepoint need to know whose
         // transaction `conn` is in (see `exec::refuse_hidden_transaction`).
-        let opens_its_own = jobs.iter().any(|j| j.unique.is_some())
-            || IndexedText::of(&jobs).may_be_refused();
+        let opens_its_own =
+            jobs.iter().any(|j| j.unique.is_some()) || IndexedText::of(&jobs).may_be_refused();
         if opens_its_own {
             self.check_all(&jobs)?;
             exec::refuse_hidden_transaction(conn).await?;

@@ -112,7 +112,10 @@ pub(crate) async fn refuse_hidden_transaction(conn: &mut PgConnection) -> crate:
     if in_transaction(conn) {
         return Ok(());
     }
-    match conn.execute("SAVEPOINT leasehold_hidden_transaction_probe").await {
+    match conn
+        .execute("SAVEPOINT leasehold_hidden_transaction_probe")
+        .await
+    {
         Ok(_) => {
             conn.execute("RELEASE SAVEPOINT leasehold_hidden_transaction_probe")
                 .await?;
@@ -126,9 +129,7 @@ pub(crate) async fn refuse_hidden_transaction(conn: &mut PgConnection) -> crate:
             })
         }
         // 25P01 no_active_sql_transaction: autocommit, as sqlx says.
-        Err(e)
-            if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("25P01") =>
-        {
+        Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("25P01") => {
             Ok(())
         }
         Err(e) => Err(e.into()),

@@ -54,7 +54,9 @@ pub const MAX_PAYLOAD_DEPTH: usize = 127;
 /// walk of the result could refuse it; here the serializer stops at the first level too
 /// many. The text is then parsed back into a value (at most 127 levels, which serde_json
 /// reads). The error says why, for the caller to wrap.
-pub(crate) fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> std::result::Result<Value, String> {
+pub(crate) fn to_json<T: serde::Serialize + ?Sized>(
+    value: &T,
+) -> std::result::Result<Value, String> {
     let mut text = Vec::with_capacity(64);
     let mut ser = serde_json::Serializer::with_formatter(&mut text, DepthBound(0));
     value.serialize(&mut ser).map_err(|e| e.to_string())?;
@@ -65,7 +67,11 @@ pub(crate) fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> std::result::R
 struct DepthBound(usize);
 
 impl DepthBound {
-    fn open<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+    fn open<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
         self.0 += 1;
         if self.0 > MAX_PAYLOAD_DEPTH {
             return Err(std::io::Error::other(format!(
@@ -75,7 +81,11 @@ impl DepthBound {
         w.write_all(bracket)
     }
 
-    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+    fn close<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
         self.0 -= 1;
         w.write_all(bracket)
     }
@@ -341,7 +351,10 @@ mod tests {
         assert!(refused.unwrap_err().contains("127 levels"));
         assert!(to_json(&deep(127)).is_ok());
         assert!(to_json(&deep(128)).is_err());
-        assert_eq!(to_json(&serde_json::json!({"a": [1, "x"]})).unwrap(), serde_json::json!({"a": [1, "x"]}));
+        assert_eq!(
+            to_json(&serde_json::json!({"a": [1, "x"]})).unwrap(),
+            serde_json::json!({"a": [1, "x"]})
+        );
     }
 
     fn deep(levels: usize) -> Value {

@@ -140,7 +140,10 @@ mod tests {
             "two schemas must not share a channel"
         );
         assert_ne!(a.channel(), a.cancel_channel());
-        assert_eq!(Schema::new("jobs").unwrap().channel(), "leasehold:jobs:wake");
+        assert_eq!(
+            Schema::new("jobs").unwrap().channel(),
+            "leasehold:jobs:wake"
+        );
     }
 
     #[test]

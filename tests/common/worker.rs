@@ -248,7 +248,10 @@ pub fn worker_main() {
         let pool = pool_for(&format!("lh-{schema}-{name}"), POOL).await;
         let parent = unsafe { libc::getppid() };
         let mut config = config_with_lease(&schema, lease);
-        if let Some(n) = std::env::var(CONCURRENCY_VAR).ok().and_then(|v| v.parse().ok()) {
+        if let Some(n) = std::env::var(CONCURRENCY_VAR)
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
             config.concurrency = n;
         }
         let scheduler = start_logged(&pool, config, &name).await;

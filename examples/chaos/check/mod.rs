@@ -21,8 +21,8 @@ mod leases;
 mod poison;
 mod report;
 mod retention;
-mod starts;
 pub mod selftest;
+mod starts;
 mod synth;
 
 use std::collections::BTreeMap;

@@ -32,7 +32,11 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
     for e in &c.events {
         let at = (e.job_id, e.generation);
         match e.event.as_str() {
-            "reaped" if e.detail.as_deref().is_some_and(|d| d.contains("; now dead")) => {
+            "reaped"
+                if e.detail
+                    .as_deref()
+                    .is_some_and(|d| d.contains("; now dead")) =>
+            {
                 s.dead_reaps_checked += 1;
                 if !started.contains(&at) {
                     f.add(
