@@ -4,10 +4,10 @@
 //! # Effects
 //!
 //! An external effect (a charge, a webhook) must not happen twice. Each effect gets an
-//! [`EffectKey`] derived from the schema's identity, the job id and a step name the
-//! handler chooses, never from the generation or attempt: every attempt of a step
-//! shares it, so the effect store can deduplicate, and no job of another schema or
-//! database has it. [`JobContext::once`] runs an effect under its key and records its
+//! [`EffectKey`] derived from the job's effect identity (a random UUID minted with the
+//! job), the job id and a step name the handler chooses, never from the generation or
+//! attempt: every attempt of a step shares it, so the effect store can deduplicate, and
+//! no other job of any schema, database or restored backup has it. [`JobContext::once`] runs an effect under its key and records its
 //! outcome in the ledger (fenced: only the current generation may record); a later
 //! attempt gets the recorded outcome back instead of acting again.
 
@@ -23,8 +23,8 @@ use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::JobError;
-use crate::job::{ClaimedJob, CompleteOutcome, Fence, Generation, JobId};
-use crate::store::{RecordOutcome, SchemaIdentity, Store};
+use crate::job::{ClaimedJob, CompleteOutcome, EffectIdentity, Fence, Generation, JobId};
+use crate::store::{Lookup, RecordOutcome, Store};
 
 /// Why a handler was asked to stop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,40 +42,41 @@ pub enum CancelReason {
     Cancelled,
 }
 
-/// A stable effect key: `"<schema identity>/<job id>/<step>"`, e.g.
+/// A stable effect key: `"<job's effect identity>/<job id>/<step>"`, e.g.
 /// `"0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a/17/charge"`.
 ///
-/// Unique across every schema and database: job ids restart at 1 in each schema (and in
-/// a schema created again), so the key starts with the schema's identity, a UUID minted
-/// once when the schema was created ([`Store::schema_identity`]). Stable across the
-/// attempts of a job, a failover (a standby has the same identity) and a pg_dump/restore
-/// of the schema (the same jobs; under any schema or database name).
+/// Unique to the job: job ids restart at 1 in each schema (and in a schema created
+/// again) and rewind in a schema restored from an older dump, so the key starts with
+/// the job's own identity, a random UUID minted when it was enqueued
+/// ([`EffectIdentity`]). Stable across the attempts of the job, a failover (a standby
+/// has the same rows) and a pg_dump/restore (the same job keeps its identity, under any
+/// schema or database name).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EffectKey(String);
 
-/// Length of a [`SchemaIdentity`] as text.
-const IDENTITY_LEN: usize = 36;
+const IDENTITY_LEN: usize = EffectIdentity::LEN;
 
 impl EffectKey {
-    /// The key of `job`'s effect `step` in the schema of `identity`: the same for every
-    /// attempt of the job, so never put an attempt number or generation in `step`.
-    pub fn new(identity: &SchemaIdentity, job: JobId, step: &str) -> Self {
+    /// The key of effect `step` of the job `job` whose effect identity is `identity`: the
+    /// same for every attempt of the job, so never put an attempt number or generation
+    /// in `step`.
+    pub fn new(identity: &EffectIdentity, job: JobId, step: &str) -> Self {
         EffectKey(format!("{identity}/{job}/{step}"))
     }
 
-    /// `text` as an effect key, if it is one [`EffectKey::new`] could have made: a
-    /// schema identity, `/`, a job id as it prints, `/`, and a step (any text, `/`
+    /// `text` as an effect key, if it is one [`EffectKey::new`] could have made: an
+    /// effect identity, `/`, a job id as it prints, `/`, and a step (any text, `/`
     /// included).
     pub fn parse(text: &str) -> Option<EffectKey> {
         let rest = text.get(IDENTITY_LEN..)?.strip_prefix('/')?;
-        SchemaIdentity::parse(&text[..IDENTITY_LEN])?;
+        EffectIdentity::parse(&text[..IDENTITY_LEN])?;
         let (job, _step) = rest.split_once('/')?;
         let id: i64 = job.parse().ok()?;
         (id.to_string() == job).then(|| EffectKey(text.to_string()))
     }
 
-    /// The identity of the schema whose job made the key.
-    pub fn schema_identity(&self) -> &str {
+    /// The effect identity of the job whose key it is.
+    pub fn identity(&self) -> &str {
         &self.0[..IDENTITY_LEN]
     }
 
@@ -267,12 +268,18 @@ impl JobContext {
         self.inner.job.generation
     }
 
-    /// A fencing token that only grows across every attempt of every job of this job's
-    /// key: the key's sequence number in the high 32 bits, the generation in the low 32.
-    /// Jobs of one key run one at a time in `key_seq` order, so an effect store that
-    /// fences per account (refusing a token older than the newest it has seen for the
-    /// account) never refuses the account's current attempt, and always refuses a stale
-    /// one. An unkeyed job's token is its generation.
+    /// A fencing token that grows across every attempt of every job of this job's key,
+    /// and of this job: the time of the attempt's claim, in microseconds since the Unix
+    /// epoch, by the database clock. Jobs of one key run one at a time, each claimed
+    /// after the one before it ended, so an effect store that fences per account
+    /// (refusing a token older than the newest it has seen for the account) never
+    /// refuses the account's current attempt, and always refuses a stale one. Being a
+    /// time, it keeps growing where a counter would start again: in a schema created
+    /// again, restored from an older dump, or beside another schema whose jobs use the
+    /// same account. It relies on the database clock not going back by more than an
+    /// attempt lasts (keep the servers' clocks synchronized, as a failover to a standby
+    /// whose clock is behind could otherwise give the first attempts after it older
+    /// tokens); [`JobContext::generation`] is a counter, for a store that fences per job.
     pub fn fencing_token(&self) -> u64 {
         self.inner.job.fencing_token()
     }
@@ -312,21 +319,10 @@ impl JobContext {
         *self.inner.completed_in_tx.lock().unwrap()
     }
 
-    /// The stable key of this job's effect `step` (see [`EffectKey`]). The schema's
-    /// identity comes from the store, read once per store (at a scheduler's start), so
-    /// this costs a round trip only on a store that never read it. An error (the schema
-    /// has no identity, the database failed) is retryable.
-    pub async fn effect_key(&self, step: &str) -> Result<EffectKey, JobError> {
-        let identity = self.identity().await?;
-        Ok(EffectKey::new(&identity, self.inner.job.id, step))
-    }
-
-    async fn identity(&self) -> Result<SchemaIdentity, JobError> {
-        self.inner.store.schema_identity().await.map_err(|e| {
-            JobError::retry(format!(
-                "no effect key can be made, so no effect was run: {e}"
-            ))
-        })
+    /// The stable key of this job's effect `step` (see [`EffectKey`]): made from what
+    /// the claim returned, with no round trip.
+    pub fn effect_key(&self, step: &str) -> EffectKey {
+        EffectKey::new(&self.inner.job.effect_identity, self.inner.job.id, step)
     }
 
     /// Complete the job inside the handler's own transaction, together with its
@@ -468,9 +464,9 @@ impl JobContext {
     ///         // A later attempt (after a crash, a stall, a lost reply) gets the recorded
     ///         // receipt back instead of charging again.
     ///         ctx.once("charge", request, |key| async move {
-    ///             // `key` is "<schema identity>/<job id>/charge" on every attempt: the
-    ///             // gateway's idempotency key, so it cannot apply the charge twice
-    ///             // either, and no other schema's job has it.
+    ///             // `key` is "<job's effect identity>/<job id>/charge" on every attempt:
+    ///             // the gateway's idempotency key, so it cannot apply the charge twice
+    ///             // either, and no other job has it.
     ///             gateway_charge(key.as_str(), token, request).await
     ///         })
     ///         .await
@@ -554,8 +550,7 @@ impl JobContext {
         F: FnOnce(EffectKey) -> Fut,
         Fut: Future<Output = Result<Out, JobError>>,
     {
-        let identity = self.identity().await?;
-        let key = EffectKey::new(&identity, self.inner.job.id, step);
+        let key = self.effect_key(step);
         // Before anything else: a key the ledger would refuse after the effect happened
         // would make the retry act again.
         crate::store::check_effect_key(key.as_str()).map_err(|e| {
@@ -565,7 +560,7 @@ impl JobContext {
             ))
         })?;
         let fingerprint = fingerprint(request)?;
-        if let Some(recorded) = self.recorded(&key, &identity, &fingerprint).await? {
+        if let Some(recorded) = self.recorded(&key, &fingerprint).await? {
             return Ok(recorded);
         }
         self.live_for(&key)?;
@@ -576,8 +571,7 @@ impl JobContext {
                 act(key.clone()).await?
             }
         };
-        let value = crate::store::to_json(&outcome)
-            .map_err(|e| JobError::permanent(format!("cannot encode the outcome of {key}: {e}")))?;
+        let value = readable_outcome(&key, &outcome)?;
         let recorded = self
             .inner
             .store
@@ -625,18 +619,17 @@ impl JobContext {
         )))
     }
 
-    /// The outcome recorded under `key`, read together with the schema's identity now:
-    /// one other than `identity`, which made the key, stops the step before it acts.
+    /// The outcome recorded under `key`, read together with whether this attempt still
+    /// runs the job: without a record, one that does not stops the step before it acts.
     async fn recorded<Out: DeserializeOwned>(
         &self,
         key: &EffectKey,
-        identity: &SchemaIdentity,
         fingerprint: &str,
     ) -> Result<Option<Out>, JobError> {
         let found = self
             .inner
             .store
-            .effect_under(key.as_str(), identity)
+            .effect_under(key.as_str(), &self.fence(), &self.inner.job.effect_identity)
             .await
             .map_err(|e| match e {
                 // A stored outcome no attempt can read: retrying would not help, and
@@ -647,13 +640,54 @@ impl JobContext {
                 e => JobError::retry(format!("cannot read the effect ledger for {key}: {e}")),
             })?;
         match found {
-            None => Ok(None),
-            Some(rec) => {
+            Lookup::Lost => Err(JobError::retry(format!(
+                "this attempt no longer runs job {} (its lease was taken back, it was ended \
+                 by an operator, or the job is gone), so effect {key} was not run",
+                self.inner.job.id
+            ))),
+            Lookup::Absent => Ok(None),
+            Lookup::Recorded(rec) => {
                 check_fingerprint(key, &rec.fingerprint, fingerprint)?;
                 decode_outcome(key, rec.outcome).map(Some)
             }
         }
     }
+}
+
+/// `outcome` as the JSON the ledger records, checked to read back as the same value: a
+/// later attempt decodes the recorded JSON into `Out`, and gets that instead of acting.
+/// An outcome that does not survive the trip (a NaN or an infinity, which JSON writes as
+/// null; an integer past what a JSON number reads back as exactly; a map whose keys
+/// clash once written) would make that retry fail to decode, or decode to another value,
+/// so it is refused before anything is recorded: the effect happened, and the job stops
+/// for an operator to reconcile it by its key rather than act again.
+fn readable_outcome<Out: Serialize + DeserializeOwned>(
+    key: &EffectKey,
+    outcome: &Out,
+) -> Result<serde_json::Value, JobError> {
+    let unreadable = |why: String| {
+        JobError::permanent(format!(
+            "effect {key} happened, but its outcome cannot be recorded so that a retry reads \
+             it back ({why}); stopped here so that no retry acts again: reconcile it by its key"
+        ))
+    };
+    let value = crate::store::to_json(outcome).map_err(|e| unreadable(e.to_string()))?;
+    // The text the database stores and a retry parses (numbers included: jsonb keeps
+    // them exactly, and they come back through this same parser).
+    let text = value.to_string();
+    let reread: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
+    let decoded: Out = serde_json::from_value(reread.clone())
+        .map_err(|e| unreadable(format!("it reads back as {}: {e}", shortened(&text))))?;
+    let again = crate::store::to_json(&decoded).map_err(|e| unreadable(e.to_string()))?;
+    if again != reread {
+        return Err(unreadable(format!(
+            "it reads back as another value: {} instead of {}",
+            shortened(&again.to_string()),
+            shortened(&text)
+        )));
+    }
+    Ok(value)
 }
 
 /// `text` cut to its first 60 characters, for a message about a step name of any length.
@@ -699,7 +733,7 @@ mod tests {
 
     #[test]
     fn an_effect_key_is_identity_job_and_step_and_parses_back() {
-        let id = SchemaIdentity::parse("0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a").unwrap();
+        let id = EffectIdentity::parse("0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a").unwrap();
         let key = EffectKey::new(&id, JobId(17), "charge/eu");
         assert_eq!(
             key.as_str(),
@@ -708,7 +742,7 @@ mod tests {
         let back = EffectKey::parse(key.as_str()).unwrap();
         assert_eq!(back, key);
         assert_eq!(
-            (back.schema_identity(), back.job(), back.step()),
+            (back.identity(), back.job(), back.step()),
             (id.as_str(), JobId(17), "charge/eu")
         );
         for bad in [

@@ -118,22 +118,6 @@ pub enum Error {
         source: sqlx::Error,
     },
 
-    /// The schema's identity, the first part of every effect key (see
-    /// [`Store::schema_identity`](crate::Store::schema_identity)), could not be had: the
-    /// schema is older than version 18 (migrate it), its `schema_identity` row is
-    /// missing (restore it from a backup of the schema: a new identity would give every
-    /// effect a new key, and retries would act again), or it changed since this store
-    /// read it (the schema was dropped and created again under a running process; the
-    /// store now holds the new one). No effect was made. A handler sees it as a
-    /// retryable [`JobError`](crate::JobError).
-    #[error("schema {schema:?} gives no identity for effect keys: {reason}")]
-    SchemaIdentity {
-        /// The schema's name.
-        schema: String,
-        /// Which of the above, in words.
-        reason: String,
-    },
-
     /// An effect key was reused with a different request; nothing was done. A handler
     /// sees it as a permanent [`JobError`](crate::JobError): its step name or request is
     /// not stable across attempts, a bug no retry can fix.

@@ -17,6 +17,48 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+/// A job's identity for effect keys: a random UUID the database mints when the job is
+/// enqueued (`jobs.effect_identity`, migrations/0021_job_effect_identity.sql), as
+/// lower-case hyphenated text (36 characters), e.g.
+/// `0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2a`. The first part of every
+/// [`EffectKey`](crate::EffectKey) of the job.
+///
+/// Job ids alone are not enough: they start at 1 in every schema, again in a schema
+/// created again, and rewind in a schema restored from an older dump, so two jobs that
+/// charge through one payment gateway could send it the same key. No other job of any
+/// schema, database or restore has this identity; a job restored from a dump keeps its
+/// own (the same job: a retry gets the recorded outcome).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EffectIdentity(String);
+
+impl EffectIdentity {
+    /// The identity of `text`, if it is one: a UUID as PostgreSQL prints it (hex digits,
+    /// lower case, hyphens after the 8th, 12th, 16th and 20th).
+    pub fn parse(text: &str) -> Option<EffectIdentity> {
+        let b = text.as_bytes();
+        let shaped = b.len() == Self::LEN
+            && b.iter().enumerate().all(|(i, c)| match i {
+                8 | 13 | 18 | 23 => *c == b'-',
+                _ => c.is_ascii_digit() || (b'a'..=b'f').contains(c),
+            });
+        shaped.then(|| EffectIdentity(text.to_string()))
+    }
+
+    /// Length of an identity as text.
+    pub const LEN: usize = 36;
+
+    /// The identity as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for EffectIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A job's id, assigned by the database at enqueue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct JobId(pub i64);
@@ -392,18 +434,16 @@ pub struct ClaimedJob {
     pub created_at: DateTime<Utc>,
     /// When this claim happened (database clock).
     pub claimed_at: DateTime<Utc>,
+    /// The job's identity for its effect keys (see [`EffectIdentity`]).
+    pub effect_identity: EffectIdentity,
 }
 
 impl ClaimedJob {
-    /// A fencing token that only grows across every attempt of every job of this job's
-    /// key (see [`crate::JobContext::fencing_token`]): `key_seq` in the high 32 bits,
-    /// the generation in the low 32; an unkeyed job's token is its generation.
+    /// A fencing token that grows across every attempt of every job of this job's key
+    /// (see [`crate::JobContext::fencing_token`]): the claim's time, in microseconds since
+    /// the Unix epoch (database clock).
     pub fn fencing_token(&self) -> u64 {
-        let generation = self.generation.0 as u64 & 0xffff_ffff;
-        match self.key_seq {
-            Some(seq) => ((seq as u64) << 32) | generation,
-            None => generation,
-        }
+        u64::try_from(self.claimed_at.timestamp_micros()).unwrap_or(0)
     }
 
     /// The fence every write about this attempt carries: id, owner and generation.

@@ -1,12 +1,16 @@
-//! Effect keys across schemas. Job ids start at 1 in every schema, and again in a schema
-//! dropped and created again, so an effect key made of job id and step alone meets
-//! another schema's job in an effect store they share: two services on two schemas,
-//! each running its job 1 against one payment gateway that deduplicates by idempotency
-//! key, got one charge between them, and the second job's result was the first one's
-//! receipt. The key starts with the schema's identity, minted once per schema: the two
-//! job 1s are two charges, each job gets its own receipt; a schema created again is a
-//! new identity (its job 1 charges again); a retry of one job keeps its key (the
-//! gateway deduplicates it).
+//! Effect keys and fencing tokens across schemas, schemas created again and schemas
+//! restored from an older dump. Job ids start at 1 in every schema, again in a schema
+//! dropped and created again, and rewind in a schema restored from a dump, so an effect
+//! key made of job id and step meets another job in an effect store they share: two
+//! services on two schemas, each running its job 1 against one payment gateway that
+//! deduplicates by idempotency key, got one charge between them, and the second job's
+//! result was the first one's receipt. The key starts with the job's own effect
+//! identity, a random UUID minted with the job: the two job 1s are two charges, each
+//! job gets its own receipt; job 1 of a schema created again, and a job that took a
+//! lost job's id after a restore, charge again; a retry of one job keeps its key (the
+//! gateway deduplicates it). And the fencing token is the claim's time, so a gateway
+//! that fences per account keeps accepting the account's charges after a counter
+//! would have started again.
 
 mod common;
 #[path = "common/worker.rs"]
@@ -83,12 +87,13 @@ impl Handler for Charge {
     }
 }
 
-/// The schema's identity, read as the database has it.
-async fn identity_of(db: &TestDb) -> String {
+/// Job `id`'s effect identity, read as the database has it.
+async fn identity_of(db: &TestDb, id: JobId) -> String {
     sqlx::query_scalar(&format!(
-        "SELECT id::text FROM {}",
-        db.table("schema_identity")
+        "SELECT effect_identity::text FROM {} WHERE id = $1",
+        db.table("jobs")
     ))
+    .bind(id.0)
     .fetch_one(&db.pool)
     .await
     .unwrap()
@@ -132,7 +137,7 @@ async fn assert_own_receipt(db: &TestDb, id: JobId, req: &ChargeRequest) -> Rece
 }
 
 /// The books after both schemas' job 1 ran: two charges, each of its own account and
-/// amount under a key of its own schema's identity, and each job holding its own receipt.
+/// amount under a key of its own job's identity, and each job holding its own receipt.
 async fn assert_two_charges(gw: &Gateway, eu_db: &TestDb, us_db: &TestDb) {
     let books = applied(gw);
     let charged: Vec<(String, i64)> = books.iter().map(|(a, c, _)| (a.clone(), *c)).collect();
@@ -148,8 +153,11 @@ async fn assert_two_charges(gw: &Gateway, eu_db: &TestDb, us_db: &TestDb) {
     let eu_receipt = assert_own_receipt(eu_db, JobId(1), &eu()).await;
     let us_receipt = assert_own_receipt(us_db, JobId(1), &us()).await;
     assert_ne!(eu_receipt.charge_id, us_receipt.charge_id);
-    let (eu_id, us_id) = (identity_of(eu_db).await, identity_of(us_db).await);
-    assert_ne!(eu_id, us_id, "each schema has an identity of its own");
+    let (eu_id, us_id) = (
+        identity_of(eu_db, JobId(1)).await,
+        identity_of(us_db, JobId(1)).await,
+    );
+    assert_ne!(eu_id, us_id, "each job has an identity of its own");
     assert_eq!(books[0].2, format!("{eu_id}/1/charge"));
     assert_eq!(books[1].2, format!("{us_id}/1/charge"));
 }
@@ -255,12 +263,10 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
             reference: "acct-1/001".into(),
         };
         // The first request is applied and its reply dropped: nothing is recorded. The
-        // gateway does not fence: fencing tokens start again with a new schema's jobs
-        // too, and the second life's token 1 would be refused after the first life's 2.
-        // What is asserted here is the key.
+        // gateway fences per account: the second life's job 1 must not be refused for a
+        // token older than the first life's.
         let gw = Gateway::start(GatewayConfig {
             faults: FaultSchedule::new().on(req.reference.clone(), 1, Fault::DropReply),
-            fencing: false,
             ..Default::default()
         })
         .unwrap();
@@ -290,10 +296,12 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
         .await
         .unwrap_err();
         assert!(!err.is_permanent(), "{err}");
+        // Retried at once, by the database clock: the tokens are claim times, and a claim
+        // at a test time in the future would outrank the second life's real ones.
         let failure = Failure {
             reason: err.message().to_string(),
             permanent: false,
-            retry_after: None,
+            retry_after: Some(Duration::ZERO),
         };
         let failed = db
             .store
@@ -303,7 +311,7 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
         assert!(matches!(failed, FailOutcome::Retrying { .. }), "{failed:?}");
         let b = db
             .store
-            .claim(&claim_at(&owner("b"), 1, far_future()))
+            .claim(&claim_req(&owner("b"), 1))
             .await
             .unwrap()
             .remove(0);
@@ -347,20 +355,8 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
             .await
             .unwrap()
             .remove(0);
+        // `db.store` served the first life too: nothing of it is kept for the second.
         let ctx = attempt_context(c.clone(), db.store.clone());
-        // `db.store` read the first life's identity: its ledger lookup notices the new
-        // one before acting and refuses, retryably; the next try keys by the new one.
-        match charge(&ctx, &client, &req, false).await {
-            Err(e) => {
-                assert!(!e.is_permanent() && e.message().contains("identity"), "{e}");
-                assert_eq!(gw.counts().requested, 2, "refused before acting: {e}");
-            }
-            Ok(receipt) => panic!(
-                "job 1 of the schema created again was answered with {receipt:?} under the \
-                 first life's key: {:?}",
-                gw.log()
-            ),
-        }
         let second = charge(&ctx, &client, &req, false).await.unwrap();
         let counts = gw.counts();
         assert_eq!(
@@ -371,20 +367,17 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
             gw.log()
         );
         assert_ne!(second.charge_id, first.charge_id);
-        let second_identity = identity_of(&db).await;
+        let second_identity = identity_of(&db, id).await;
         assert_eq!(
             second.idempotency_key,
             format!("{second_identity}/1/charge")
         );
         let first_identity = first_key.strip_suffix("/1/charge").unwrap();
         assert!(
-            leasehold::store::SchemaIdentity::parse(first_identity).is_some(),
+            leasehold::EffectIdentity::parse(first_identity).is_some(),
             "{first_key}"
         );
-        assert_ne!(
-            first_identity, second_identity,
-            "a new schema, a new identity"
-        );
+        assert_ne!(first_identity, second_identity, "a new job, a new identity");
         // The ledger holds the key the gateway saw.
         let fresh = Store::new(db.pool.clone(), &db.schema, StoreOptions::default()).unwrap();
         let recorded = fresh.job_effects(id).await.unwrap();
@@ -397,6 +390,173 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
         );
         let by_account: BTreeMap<String, Vec<String>> = gw.applied_by_account();
         assert_eq!(by_account["acct-1"].len(), 2, "{by_account:?}");
+        db.drop().await;
+    })
+    .await
+}
+
+/// `pg_dump` of `db`'s schema, as a plain SQL script (what an operator keeps as a backup).
+fn dump_schema(db: &TestDb) -> String {
+    let o = base_options();
+    let out = std::process::Command::new("pg_dump")
+        .args(["--no-owner", "--no-privileges", "--schema", &db.schema])
+        .args(["--host", o.get_host(), "--port", &o.get_port().to_string()])
+        .args(["--username", o.get_username(), "--dbname", &test_db_name()])
+        .output()
+        .expect("pg_dump runs");
+    assert!(
+        out.status.success(),
+        "pg_dump: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Drop `db`'s schema and restore `dump` into it with psql, as an operator restoring a
+/// backup would; the runtime role gets its grants again.
+async fn restore_schema(db: &TestDb, dump: &str) {
+    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", db.schema))
+        .execute(&db.owner)
+        .await
+        .unwrap();
+    let o = base_options();
+    let mut psql = std::process::Command::new("psql")
+        .args(["--quiet", "--no-psqlrc", "-v", "ON_ERROR_STOP=1"])
+        .args(["--host", o.get_host(), "--port", &o.get_port().to_string()])
+        .args(["--username", o.get_username(), "--dbname", &test_db_name()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("psql runs");
+    use std::io::Write;
+    psql.stdin
+        .take()
+        .unwrap()
+        .write_all(dump.as_bytes())
+        .unwrap();
+    let out = psql.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "psql restore: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if runtime_role().is_some() {
+        grant_runtime_role(&db.owner, &db.schema).await;
+    }
+}
+
+/// Claim `db`'s next job as `worker`, charge it through `once` and complete it with the
+/// receipt (or fail it with the error).
+async fn run_one(
+    db: &TestDb,
+    gw: &GatewayClient,
+    worker: &str,
+) -> (JobId, Result<Receipt, JobError>) {
+    let j = db
+        .store
+        .claim(&claim_req(&owner(worker), 1))
+        .await
+        .unwrap()
+        .remove(0);
+    let req: ChargeRequest = serde_json::from_value(j.payload.clone()).unwrap();
+    let got = charge(
+        &attempt_context(j.clone(), db.store.clone()),
+        gw,
+        &req,
+        false,
+    )
+    .await;
+    match &got {
+        Ok(receipt) => {
+            db.store
+                .complete(&j.fence(), Some(serde_json::to_value(receipt).unwrap()))
+                .await
+                .unwrap();
+        }
+        Err(e) => {
+            let failure = Failure {
+                reason: e.message().to_string(),
+                permanent: true,
+                retry_after: None,
+            };
+            db.store
+                .fail(&j.fence(), &failure, &fixed_backoff(1))
+                .await
+                .unwrap();
+        }
+    }
+    (j.id, got)
+}
+
+fn payment(n: u32, cents: i64) -> ChargeRequest {
+    ChargeRequest {
+        account: "acct-restore".into(),
+        amount_cents: cents,
+        reference: format!("acct-restore/{n:03}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_restored_from_an_older_dump_charges_the_jobs_that_took_lost_ids() {
+    bounded(async {
+        // One account, charged in order (keyed jobs), through a gateway that deduplicates
+        // by idempotency key and fences per account.
+        let gw = Gateway::start(GatewayConfig::default()).unwrap();
+        let client = gw.client().with_timeout(Duration::from_secs(5));
+        let db = TestDb::with_options("across_restore", StoreOptions::default(), 2).await;
+        let enqueue = |req: ChargeRequest| {
+            let store = db.store.clone();
+            async move {
+                store
+                    .enqueue(NewJob::new(KIND, &req).unwrap().with_key("acct-restore"))
+                    .await
+                    .unwrap()
+            }
+        };
+        let first = enqueue(payment(1, 100)).await;
+        assert!(run_one(&db, &client, "a").await.1.is_ok());
+        // The backup: job 1 done.
+        let dump = dump_schema(&db);
+        // After it, two more payments are charged; then the database is lost and the
+        // backup restored: those two jobs are gone, and the ids they had are free again.
+        let lost = [
+            enqueue(payment(2, 200)).await,
+            enqueue(payment(3, 300)).await,
+        ];
+        for _ in lost {
+            assert!(run_one(&db, &client, "a").await.1.is_ok());
+        }
+        restore_schema(&db, &dump).await;
+        assert_eq!(db.store.job(first).await.unwrap().state, JobState::Done);
+        // The customer's next payment, of another amount, takes the first lost id.
+        let next = payment(4, 444);
+        let id = enqueue(next.clone()).await;
+        assert_eq!(
+            id, lost[0],
+            "a restored schema hands out the lost ids again"
+        );
+        let (ran, got) = run_one(&db, &client, "b").await;
+        assert_eq!(ran, id);
+        let receipt = got.unwrap_or_else(|e| {
+            panic!(
+                "the payment after the restore was refused: {e}; gateway: {:?}",
+                gw.log()
+            )
+        });
+        assert_eq!(
+            (receipt.amount_cents, receipt.reference.as_str()),
+            (444, "acct-restore/004"),
+            "the payment after the restore got a lost job's receipt"
+        );
+        assert_own_receipt(&db, id, &next).await;
+        let charged: Vec<i64> = applied(&gw).iter().map(|(_, c, _)| *c).collect();
+        assert_eq!(
+            charged,
+            vec![100, 200, 300, 444],
+            "the gateway's books: {:?}",
+            gw.log()
+        );
         db.drop().await;
     })
     .await

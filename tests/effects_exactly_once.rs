@@ -118,6 +118,9 @@ struct Seed {
     gw: Gateway,
     id: JobId,
     a_charge: ChargeResult,
+    /// A's fencing token (generation 7's), and B's (generation 8's).
+    a_token: u64,
+    b_token: u64,
     a_late: Result<Receipt, JobError>,
     b_result: Result<Receipt, JobError>,
 }
@@ -220,6 +223,8 @@ async fn seed_scenario(test: &str, keys: Keys, gateway: GatewayConfig) -> Seed {
         gw,
         id,
         a_charge,
+        a_token: fencing_token(&a_job),
+        b_token: fencing_token(&b_job),
         a_late,
         b_result,
     }
@@ -232,7 +237,11 @@ async fn stale_worker_and_its_successor_share_the_effect_key_and_the_gateway_cha
         let ChargeResult::Applied(a_receipt) = &s.a_charge else {
             panic!("A's charge was applied: {:?}", s.a_charge)
         };
-        assert_eq!(a_receipt.fencing_token, Some(7));
+        assert_eq!(
+            a_receipt.fencing_token,
+            Some(s.a_token),
+            "A charged with its own token"
+        );
         let b_receipt = s.b_result.as_ref().unwrap();
         assert_eq!(b_receipt, a_receipt, "B got A's charge back, not a new one");
         let a_err = s.a_late.as_ref().unwrap_err();
@@ -254,8 +263,8 @@ async fn stale_worker_and_its_successor_share_the_effect_key_and_the_gateway_cha
                 .map(|e| (e.decision, e.fencing_token, e.idempotency_key.clone()))
                 .collect::<Vec<_>>(),
             vec![
-                (Decision::Applied, Some(7), key.clone()),
-                (Decision::Duplicate, Some(8), key.clone()),
+                (Decision::Applied, Some(s.a_token), key.clone()),
+                (Decision::Duplicate, Some(s.b_token), key.clone()),
             ]
         );
 
@@ -365,7 +374,7 @@ async fn reconciling_by_lookup_charges_once_even_without_deduplication() {
         let a = owner("a");
         let a_job = db.store.claim(&claim_req(&a, 1)).await.unwrap().remove(0);
         let a_ctx = attempt_context(a_job.clone(), db.store.clone());
-        let key = a_ctx.effect_key("charge").await.unwrap();
+        let key = a_ctx.effect_key("charge");
         let applied = gw
             .client()
             .charge(key.as_str(), Some(fencing_token(&a_job)), &req)
@@ -439,7 +448,7 @@ async fn a_stale_fencing_token_is_refused_by_the_gateway_with_a_typed_result() {
         let receipt = charge(&b_ctx, &gw.client(), &req, Keys::Stable)
             .await
             .unwrap();
-        assert_eq!(receipt.fencing_token, Some(8));
+        assert_eq!(receipt.fencing_token, Some(fencing_token(&b_job)));
         db.store
             .complete(
                 &b_job.fence(),
@@ -448,14 +457,25 @@ async fn a_stale_fencing_token_is_refused_by_the_gateway_with_a_typed_result() {
             .await
             .unwrap();
 
-        // A's request finally arrives with token 7 and is fenced: a typed result.
+        // A's request finally arrives with its older token and is fenced: a typed result.
         go_tx.send(()).unwrap();
         let seen = within(10, "A's gateway call", seen_rx).await.unwrap();
-        assert_eq!(seen, ChargeResult::Fenced { seen: 8, got: 7 });
+        assert_eq!(
+            seen,
+            ChargeResult::Fenced {
+                seen: fencing_token(&b_job),
+                got: fencing_token(&a_job)
+            }
+        );
         let a_err = within(10, "A's step", a_task).await.unwrap().unwrap_err();
         assert!(!a_err.is_permanent());
         assert!(
-            a_err.message().contains("fencing token 7") && a_err.message().contains("seen 8"),
+            a_err
+                .message()
+                .contains(&format!("fencing token {}", fencing_token(&a_job)))
+                && a_err
+                    .message()
+                    .contains(&format!("seen {}", fencing_token(&b_job))),
             "{a_err}"
         );
         assert_eq!(

@@ -245,23 +245,19 @@ async fn assert_books(pair: &Pair, ids: &[JobId], gateway: &Arc<Mutex<Gateway>>)
     let mut conn = sqlx::PgConnection::connect_with(&pair.standby.options())
         .await
         .unwrap();
-    let rows: Vec<(i64, Option<serde_json::Value>)> = sqlx::query_as(&format!(
-        "SELECT id, result FROM {SCHEMA}.jobs WHERE id IN ({list}) AND state = 'done'"
+    let rows: Vec<(i64, Option<serde_json::Value>, String)> = sqlx::query_as(&format!(
+        "SELECT id, result, effect_identity::text FROM {SCHEMA}.jobs WHERE id IN ({list}) AND state = 'done'"
     ))
     .fetch_all(&mut conn)
     .await
     .unwrap();
     assert_eq!(rows.len(), ids.len());
-    // The standby's identity is the primary's: the keys the gateway saw are found.
-    let identity: String =
-        sqlx::query_scalar(&format!("SELECT id::text FROM {SCHEMA}.schema_identity"))
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
-    let identity = leasehold::store::SchemaIdentity::parse(&identity).unwrap();
+    // The standby holds each job's effect identity as the primary had it: the keys the
+    // gateway saw are found.
     let g = gateway.lock().unwrap();
     let mut receipts = HashSet::new();
-    for (id, result) in rows {
+    for (id, result, identity) in rows {
+        let identity = leasehold::EffectIdentity::parse(&identity).unwrap();
         let key = leasehold::EffectKey::new(&identity, JobId(id), "charge");
         let charged = g.charges.get(key.as_str()).copied();
         assert_eq!(

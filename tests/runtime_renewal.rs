@@ -343,3 +343,107 @@ fn completions_waiting_on_keys_a_host_holds_do_not_delay_other_jobs_endings() {
         db.drop().await;
     }))
 }
+
+/// Keys whose rows hosts' open transactions hold for a long time.
+const STALLED_KEYS: usize = 6;
+
+#[test]
+fn a_keyed_ending_waits_for_its_own_key_only_never_behind_other_keys_waits() {
+    run_in_system(within(120, "keyed endings behind stalled keys", async {
+        let db = TestDb::with_options("rt_renew_ownwait", StoreOptions::default(), POOL).await;
+        let hosts_pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(STALLED_KEYS as u32 + 1)
+            .connect_with(common::runtime_options().database(&common::test_db_name()))
+            .await
+            .unwrap();
+        let h = Scripted::new(&db.pool);
+        let mut config = config_with_lease(&db.schema, LEASE);
+        config.concurrency = STALLED_KEYS + 2;
+        let scheduler = Scheduler::builder(db.pool.clone(), config)
+            .register(h.clone())
+            .start()
+            .await
+            .unwrap();
+        // Stalled keys: each head finishes while a host holds its key row, and goes on
+        // trying to complete for as long as the host stays open.
+        let mut heads = Vec::new();
+        for i in 0..STALLED_KEYS {
+            let id = scheduler
+                .enqueue_job(
+                    scripted(Script {
+                        gate: Some(format!("finish-S{i}")),
+                        ..work(&format!("head-S{i}"), 0)
+                    })
+                    .with_key(format!("S{i}")),
+                )
+                .await
+                .unwrap();
+            heads.push(id);
+            h.started(&format!("head-S{i}"), 10).await;
+        }
+        let mut hosts = Vec::new();
+        for i in 0..STALLED_KEYS {
+            let mut host = hosts_pool.begin().await.unwrap();
+            scheduler
+                .enqueue_in(
+                    &mut host,
+                    scripted(work(&format!("next-S{i}"), 0)).with_key(format!("S{i}")),
+                )
+                .await
+                .unwrap();
+            hosts.push(host);
+            h.open(&format!("finish-S{i}"));
+        }
+        for i in 0..STALLED_KEYS {
+            h.ended(&format!("head-S{i}"), 10).await;
+        }
+        tokio::time::sleep(LEASE / 2).await;
+        // Key B: its head finishes while a host holds B's row for 150 ms only.
+        let b = scheduler
+            .enqueue_job(
+                scripted(Script {
+                    gate: Some("finish-B".into()),
+                    ..work("head-B", 0)
+                })
+                .with_key("B"),
+            )
+            .await
+            .unwrap();
+        h.started("head-B", 10).await;
+        let mut host_b = hosts_pool.begin().await.unwrap();
+        scheduler
+            .enqueue_in(&mut host_b, scripted(work("next-B", 0)).with_key("B"))
+            .await
+            .unwrap();
+        h.open("finish-B");
+        h.ended("head-B", 10).await;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        host_b.commit().await.unwrap();
+        let committed = Instant::now();
+        while db.store.job(b).await.unwrap().state != JobState::Done {
+            assert!(
+                committed.elapsed() < Duration::from_secs(10),
+                "B's head never completed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let waited = committed.elapsed();
+        for id in &heads {
+            assert_eq!(db.store.job(*id).await.unwrap().state, JobState::Running);
+        }
+        for host in hosts {
+            host.commit().await.unwrap();
+        }
+        wait_done(&db, &heads, 20).await;
+        let m = scheduler.metrics();
+        scheduler.shutdown().await.unwrap();
+        assert!(
+            waited < LEASE / 4,
+            "B's head completed {waited:?} after its key was let go, while {STALLED_KEYS} \
+             other keys' endings waited for theirs (the lease is {LEASE:?})"
+        );
+        assert_eq!(m.counters.leases_lost, 0, "{:?}", m.counters);
+        hosts_pool.close().await;
+        db.drop().await;
+    }))
+}

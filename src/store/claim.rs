@@ -35,11 +35,12 @@ use sqlx::postgres::PgRow;
 use sqlx::{Acquire, Row};
 
 use super::{secs, Store};
-use crate::error::Result;
-use crate::job::{ClaimedJob, Generation, JobId, OwnerId};
+use crate::error::{Error, Result};
+use crate::job::{ClaimedJob, EffectIdentity, Generation, JobId, OwnerId};
 
 const RETURNED: &str = "j.id, j.queue, j.kind, j.job_key, j.key_seq, j.priority, j.payload, \
-     j.payload_bytes, j.attempts, j.max_attempts, j.generation, j.lease_until, j.created_at, j.claimed_at";
+     j.payload_bytes, j.attempts, j.max_attempts, j.generation, j.lease_until, j.created_at, j.claimed_at, \
+     j.effect_identity::text AS effect_identity";
 
 /// The claim function over the requested queues that are not paused: a pause takes
 /// effect for every claim that starts after it committed (see [`Store::pause_queue`]).
@@ -175,6 +176,13 @@ pub(crate) fn claimed_from_row(row: &PgRow, owner: &OwnerId) -> Result<ClaimedJo
         lease_until: row.try_get("lease_until")?,
         created_at: row.try_get("created_at")?,
         claimed_at: row.try_get("claimed_at")?,
+        effect_identity: {
+            let text: String = row.try_get("effect_identity")?;
+            EffectIdentity::parse(&text).ok_or_else(|| Error::Decode {
+                what: "effect identity",
+                reason: format!("{text:?} is not a UUID"),
+            })?
+        },
     })
 }
 

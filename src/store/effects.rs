@@ -5,7 +5,7 @@
 //! check and the insert. The first outcome recorded for a key wins; later attempts get
 //! it back instead of acting again.
 //!
-//! The ledger holds each key as it went to the effect store: `<schema identity>/<job
+//! The ledger holds each key as it went to the effect store: `<job's effect identity>/<job
 //! id>/<step>` for the keys [`JobContext`](crate::JobContext) makes (see
 //! [`crate::EffectKey`]). It is keyed by that text alone; listings and retention go by
 //! the job.
@@ -18,7 +18,7 @@ use sqlx::Row;
 
 use super::{check_effect_key, check_json, check_name, secs, JsonLimit, Store};
 use crate::error::{Error, Result};
-use crate::job::{Fence, Generation, JobId};
+use crate::job::{EffectIdentity, Fence, Generation, JobId};
 
 pub(super) const RECORD: &str = r#"/* leasehold:effect_record */
 WITH fence AS (
@@ -37,17 +37,34 @@ pub(super) const LOOKUP: &str = r#"/* leasehold:effect_lookup */
 SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_until
 FROM {s}.effects WHERE effect_key = $1"#;
 
-/// [`LOOKUP`] and the schema's identity now, in one statement: no row when the identity
-/// row is missing, else one, its effect columns null when the key has no record.
+/// [`LOOKUP`] under the attempt's fence, in one statement: `held` is whether the attempt
+/// (job id $2, its effect identity $3, owner $4, generation $5) still runs the job; the
+/// effect columns are null when the key has no record.
 pub(super) const LOOKUP_UNDER: &str = r#"/* leasehold:effect_lookup_under */
-SELECT i.id::text AS schema_identity,
+SELECT j.id IS NOT NULL AS held,
        e.effect_key, e.job_id, e.generation, e.fingerprint, e.outcome, e.recorded_at, e.keep_until
-FROM {s}.schema_identity i LEFT JOIN {s}.effects e ON e.effect_key = $1"#;
+FROM (SELECT 1) one
+LEFT JOIN {s}.jobs j ON j.id = $2 AND j.effect_identity = $3::uuid AND j.owner = $4
+                     AND j.generation = $5 AND j.state = 'running'
+LEFT JOIN {s}.effects e ON e.effect_key = $1"#;
+
+/// What the ledger says before an attempt acts (see [`Store::effect_under`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Lookup {
+    /// The key has a record: its outcome is the step's, whoever asks.
+    Recorded(EffectRecord),
+    /// No record, and the attempt still runs its job: it may act.
+    Absent,
+    /// No record, and the attempt no longer runs the job (a newer attempt or a reaper
+    /// took it back, an operator ended it, or the job is not in this schema any more):
+    /// it must not act.
+    Lost,
+}
 
 /// A recorded effect.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct EffectRecord {
-    /// The stable key, as it went to the effect store: `<schema identity>/<job
+    /// The stable key, as it went to the effect store: `<job's effect identity>/<job
     /// id>/<step>` for a key [`JobContext`](crate::JobContext) made (see
     /// [`crate::EffectKey`]); whatever text a caller of [`Store::record_effect`] chose.
     pub effect_key: String,
@@ -124,36 +141,35 @@ impl Store {
         row.as_ref().map(|r| effect_from_row(r, false)).transpose()
     }
 
-    /// [`Store::effect`] for a key made with `identity`, checked in the same statement
-    /// against the schema's identity now. One that differs (the schema was dropped and
-    /// created again under this process) or is missing is refused with
-    /// [`Error::SchemaIdentity`], and the store keeps the identity it found: the key
-    /// named another schema's job, and acting under it would meet that job's effects.
+    /// [`Store::effect`] for the key `effect_key` of the attempt `fence` of the job
+    /// whose effect identity is `identity`, read together with whether that attempt
+    /// still runs the job. A recorded outcome is returned to any attempt (it acts no
+    /// more for it); without one, an attempt that no longer runs the job
+    /// ([`Lookup::Lost`]) must not act: a newer attempt may act under the same key
+    /// meanwhile, or the job it ran is gone (its schema dropped and created again under
+    /// a running process).
     pub(crate) async fn effect_under(
         &self,
         effect_key: &str,
-        identity: &super::SchemaIdentity,
-    ) -> Result<Option<EffectRecord>> {
+        fence: &Fence,
+        identity: &EffectIdentity,
+    ) -> Result<Lookup> {
         check_name("effect key", effect_key)?;
         let row = sqlx::query(&self.sql().effect_lookup_under)
             .bind(effect_key)
-            .fetch_optional(self.db())
+            .bind(fence.job.0)
+            .bind(identity.as_str())
+            .bind(fence.owner.as_str())
+            .bind(fence.generation.0)
+            .fetch_one(self.db())
             .await?;
-        let found: Option<String> = row
-            .as_ref()
-            .map(|r| r.try_get("schema_identity"))
-            .transpose()?;
-        let now = self.keep_identity(found.as_deref())?;
-        if &now != identity {
-            return Err(self.identity_error(&format!(
-                "it is {now} now, not {identity} as when this process read it (the schema was                  created again?); nothing was done, and the next attempt makes its keys with                  the new identity"
-            )));
-        }
-        let row = row.expect("an identity was found, so there is a row");
         let recorded: Option<String> = row.try_get("effect_key")?;
-        match recorded {
-            None => Ok(None),
-            Some(_) => effect_from_row(&row, false).map(Some),
+        if recorded.is_some() {
+            return effect_from_row(&row, false).map(Lookup::Recorded);
+        }
+        match row.try_get::<bool, _>("held")? {
+            true => Ok(Lookup::Absent),
+            false => Ok(Lookup::Lost),
         }
     }
 

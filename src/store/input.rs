@@ -32,7 +32,7 @@
 //! only the database can tell: such a write runs in a savepoint when it is inside the
 //! caller's transaction (so a refusal leaves that transaction usable), and the
 //! database's refusal comes back as [`Error::InvalidInput`] naming the field and the
-//! limit. An effect key is only ever the schema's identity (36 bytes), a job id and a
+//! limit. An effect key is only ever the job's effect identity (36 bytes), its id and a
 //! step name chosen in code, and its refusal would come after the effect happened, so
 //! it must fit for sure: at most [`INDEXED_TEXT_ALWAYS_FITS`] bytes, the whole key.
 

@@ -18,7 +18,6 @@ mod enqueue;
 mod exec;
 pub use enqueue::MAX_DELAY;
 mod fail;
-mod identity;
 mod input;
 pub(crate) use input::{
     check_effect_key, check_json, check_name, to_json, unstorable_json, JsonLimit,
@@ -49,9 +48,9 @@ use sqlx::PgPool;
 pub use admin::{CancelOutcome, PruneReport};
 pub use claim::ClaimRequest;
 pub(crate) use complete::KeyedItem;
+pub(crate) use effects::Lookup;
 pub use effects::{EffectRecord, RecordOutcome};
 pub use fail::Failure;
-pub use identity::SchemaIdentity;
 pub use inspect::{JobFilter, JobPage, LeaseExpiry, DEFAULT_PAGE, MAX_PAGE, SEARCH_STRETCH};
 pub(crate) use keys::Chain;
 pub use lease::RenewReport;
@@ -152,9 +151,6 @@ struct Inner {
     options: StoreOptions,
     sql: Statements,
     wakeups: wakeups::Wakeups,
-    /// The schema's identity once read (see `identity`), shared with every store made
-    /// from this one for another pool.
-    identity: identity::Cached,
     /// Behind a transaction pooler: the `lock_timeout` each transaction of this store
     /// sets for itself (`SET LOCAL`), where a session setting cannot be used. The
     /// scheduler's writer store has one (see `scheduler::pools::SidePools::writer`).
@@ -173,7 +169,6 @@ impl Store {
                 options,
                 sql,
                 wakeups: wakeups::Wakeups::default(),
-                identity: identity::Cached::default(),
                 lock_wait: None,
             }),
         })
@@ -194,10 +189,6 @@ impl Store {
     /// already exists`, an unexpected `NotificationResponse`). It refuses then with
     /// [`Error::Config`](crate::Error::Config) for `store.transaction_pooler`, before it
     /// has changed anything.
-    ///
-    /// Then it reads the schema's identity ([`Store::schema_identity`]) and keeps it, so
-    /// no effect waits for it; a schema without one is refused with
-    /// [`Error::SchemaIdentity`](crate::Error::SchemaIdentity).
     pub async fn migrate(&self) -> Result<()> {
         if !self.options().transaction_pooler {
             refuse_transaction_pooler(&self.inner.pool).await?;
@@ -207,8 +198,7 @@ impl Store {
             &self.inner.schema,
             self.options().transaction_pooler,
         )
-        .await?;
-        self.read_schema_identity().await.map(|_| ())
+        .await
     }
 
     /// The SQL [`Store::migrate`] would run now, as one script to apply by hand (it
@@ -223,8 +213,7 @@ impl Store {
         .await
     }
 
-    /// The same store over another pool (the scheduler's maintenance connections),
-    /// sharing the schema identity this one read ([`Store::schema_identity`]).
+    /// The same store over another pool (the scheduler's maintenance connections).
     pub fn with_pool(&self, pool: PgPool) -> Store {
         let i = &self.inner;
         let sql = Statements::render(&i.schema);
@@ -235,7 +224,6 @@ impl Store {
                 options: i.options.clone(),
                 sql,
                 wakeups: wakeups::Wakeups::default(),
-                identity: i.identity.clone(),
                 lock_wait: None,
             }),
         }
@@ -253,7 +241,6 @@ impl Store {
                 options: i.options.clone(),
                 sql: Statements::render(&i.schema),
                 wakeups: wakeups::Wakeups::default(),
-                identity: i.identity.clone(),
                 lock_wait: Some(wait),
             }),
         }
@@ -314,10 +301,6 @@ impl Store {
 
     pub(crate) fn wakeups(&self) -> &wakeups::Wakeups {
         &self.inner.wakeups
-    }
-
-    fn cached_identity(&self) -> &identity::Cached {
-        &self.inner.identity
     }
 }
 

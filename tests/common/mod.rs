@@ -461,9 +461,18 @@ impl TestDb {
         .unwrap()
     }
 
-    /// The effect key `JobContext` makes for `job`'s `step` in this schema.
+    /// The effect key `JobContext` makes for `job`'s `step`: with the job's own effect
+    /// identity, read from its row.
     pub async fn effect_key(&self, job: JobId, step: &str) -> String {
-        let identity = self.store.schema_identity().await.unwrap();
+        let identity: String = sqlx::query_scalar(&format!(
+            "SELECT effect_identity::text FROM {} WHERE id = $1",
+            self.table("jobs")
+        ))
+        .bind(job.0)
+        .fetch_one(&self.pool)
+        .await
+        .unwrap();
+        let identity = leasehold::EffectIdentity::parse(&identity).unwrap();
         leasehold::EffectKey::new(&identity, job, step).to_string()
     }
 

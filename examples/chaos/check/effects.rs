@@ -14,14 +14,16 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
     let mut highest: HashMap<i64, i64> = HashMap::new();
     let mut first_apply: HashMap<i64, u64> = HashMap::new();
     let mut unstable: HashSet<&str> = HashSet::new();
-    // One schema per run, so one identity in every key: the first key's.
-    let mut identity: Option<String> = None;
+    // Every key of a job carries the job's one effect identity: its first key's.
+    let mut identity: HashMap<i64, String> = HashMap::new();
     let mut log: Vec<&EffectLog> = c.effects.iter().collect();
     log.sort_by_key(|e| e.seq);
     for e in &log {
         let stable = leasehold::EffectKey::parse(&e.effect_key).is_some_and(|k| {
-            let first = identity.get_or_insert_with(|| k.schema_identity().to_string());
-            k.job().0 == e.job && k.step() == e.step && k.schema_identity() == first.as_str()
+            let first = identity
+                .entry(e.job)
+                .or_insert_with(|| k.identity().to_string());
+            k.job().0 == e.job && k.step() == e.step && k.identity() == first.as_str()
         });
         if !stable && unstable.insert(&e.effect_key) {
             f.add(
