@@ -1,5 +1,7 @@
 //! A minimal external effect store on loopback: a "gateway" that deduplicates by effect
-//! key, fences by generation per job, and logs every request with a server-side seq.
+//! key, fences by generation per job (the job as the key names it: its effect identity
+//! and id, so jobs of two schemas with the same id are two jobs), and logs every request
+//! with a server-side seq.
 //!
 //! Protocol: one JSON request per line, one JSON reply per line.
 //! Decisions: `applied` (first time for this key), `already` (the key was applied
@@ -44,8 +46,8 @@ struct State {
     seq: u64,
     /// effect key → (fingerprint, receipt seq)
     applied: HashMap<String, (String, u64)>,
-    /// job → highest generation accepted
-    fence: HashMap<i64, i64>,
+    /// (effect identity, job) → highest generation accepted
+    fence: HashMap<(String, i64), i64>,
     log: Jsonl,
     stats: EffectServerStats,
 }
@@ -124,12 +126,16 @@ fn decide(state: &Mutex<State>, drop_next: &AtomicU64, req: &ApplyRequest) -> (A
     s.seq += 1;
     let seq = s.seq;
     s.stats.requests += 1;
-    let highest = s.fence.get(&req.job).copied().unwrap_or(i64::MIN);
+    let identity = leasehold::EffectKey::parse(&req.effect_key)
+        .map(|k| k.identity().to_string())
+        .unwrap_or_default();
+    let job = (identity, req.job);
+    let highest = s.fence.get(&job).copied().unwrap_or(i64::MIN);
     let (decision, receipt) = if req.generation < highest {
         s.stats.fenced += 1;
         ("fenced", 0)
     } else {
-        s.fence.insert(req.job, req.generation);
+        s.fence.insert(job, req.generation);
         match s.applied.get(&req.effect_key).cloned() {
             Some((fp, _)) if fp != req.fingerprint => {
                 s.stats.mismatch += 1;

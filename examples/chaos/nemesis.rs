@@ -158,12 +158,16 @@ async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<JoinH
     let start = Start::now();
     let kind = p.kind;
     match kind {
-        "row_lock" | "host_enqueue_commit" | "host_enqueue_rollback" => {
-            crate::nemesis_host::inject(h, p, rng).await
-        }
-        "manual_hold" | "manual_cancel" | "cancel_running_head" | "neighbour_cancel_hint" => {
-            crate::nemesis_operator::inject(h, p, rng).await
-        }
+        "row_lock"
+        | "host_enqueue_commit"
+        | "host_enqueue_rollback"
+        | "host_bad_input"
+        | "informational_write_fails" => crate::nemesis_host::inject(h, p, rng).await,
+        "manual_hold"
+        | "manual_cancel"
+        | "cancel_running_head"
+        | "neighbour_cancel_hint"
+        | "neighbour_schema_effects" => crate::nemesis_operator::inject(h, p, rng).await,
         "sigkill" => {
             let slot = pick(h, p.target, true).await?;
             let hit = h

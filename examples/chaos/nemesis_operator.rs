@@ -1,6 +1,8 @@
 //! Faults an operator makes: hold (and release) pending jobs, cancel recent jobs, and
-//! cancel running keyed heads that have successors waiting; and a neighbour's noise:
-//! cancel notifications that no row backs (`neighbour_cancel_hint`).
+//! cancel running keyed heads that have successors waiting; and neighbours: cancel
+//! notifications that no row backs (`neighbour_cancel_hint`), and another schema's jobs,
+//! whose ids are this schema's, applying their effects at the same effect store
+//! (`neighbour_schema_effects`).
 //!
 //! A cancel of a running job is a request (see the design): the key must not move on
 //! while that attempt may still run. `cancel_running_head` aims at exactly that case,
@@ -123,6 +125,10 @@ pub async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<J
             neighbour_cancel_hint(h, p).await;
             None
         }
+        "neighbour_schema_effects" => {
+            neighbour_schema_effects(h, p).await;
+            None
+        }
         _ => unreachable!("not an operator fault: {kind}"),
     }
 }
@@ -215,5 +221,77 @@ async fn neighbour_cancel_hint(h: &Arc<Harness>, p: &Planned) {
         format!("cancel hints without a cancel for running {running:?} ({sent} sent)"),
     );
     fr.jobs = running;
+    record_with(h, start, fr);
+}
+
+/// The worker name a neighbour schema's effects carry at the effect server.
+pub const NEIGHBOUR_WORKER: &str = "neighbour";
+
+/// A service on schema `leasehold_neighbour` of the same database runs `p.n` jobs (ids
+/// from 1, as this schema's) and applies each one's effect `s0` at the same effect
+/// store, under the key the library makes for it. Each is a new effect: the checker's
+/// `neighbour_effect_shared` rule wants every one applied, never answered with another
+/// job's receipt, and keeps them out of this schema's rules.
+async fn neighbour_schema_effects(h: &Arc<Harness>, p: &Planned) {
+    let start = Start::now();
+    let neighbour = leasehold::Store::new(
+        h.admin.clone(),
+        "leasehold_neighbour",
+        leasehold::StoreOptions::default(),
+    )
+    .expect("a valid schema name");
+    let owner = leasehold::OwnerId::named("neighbour");
+    let mut decisions = Vec::new();
+    let outcome: Result<(), String> = async {
+        neighbour
+            .migrate()
+            .await
+            .map_err(|e| format!("migrate: {e}"))?;
+        for _ in 0..p.n.max(1) {
+            let job = leasehold::NewJob::from_json("neighbour_charge", serde_json::json!({}));
+            neighbour
+                .enqueue(job)
+                .await
+                .map_err(|e| format!("enqueue: {e}"))?;
+        }
+        let req = leasehold::ClaimRequest::new(
+            owner.clone(),
+            vec!["default".to_string()],
+            p.n.max(1) as i64,
+            Duration::from_secs(30),
+        );
+        for job in neighbour
+            .claim(&req)
+            .await
+            .map_err(|e| format!("claim: {e}"))?
+        {
+            let key = leasehold::EffectKey::new(&job.effect_identity, job.id, "s0");
+            let reply = crate::effects::apply(
+                &h.effects.addr.to_string(),
+                &crate::effects::ApplyRequest {
+                    effect_key: key.to_string(),
+                    job: job.id.0,
+                    step: "s0".into(),
+                    generation: job.generation.0,
+                    key: None,
+                    key_seq: None,
+                    fingerprint: format!("neighbour-{}", job.id),
+                    worker: NEIGHBOUR_WORKER.into(),
+                },
+            )
+            .await?;
+            decisions.push(format!("{}: {}", job.id, reply.decision));
+            let _ = neighbour.complete(&job.fence(), None).await;
+        }
+        Ok(())
+    }
+    .await;
+    let fr = FaultRecord::new(
+        p.kind,
+        "neighbour".into(),
+        start.us,
+        outcome.is_ok() && !decisions.is_empty(),
+        format!("neighbour schema's effects: {decisions:?} ({outcome:?})"),
+    );
     record_with(h, start, fr);
 }

@@ -8,7 +8,7 @@ use rand::Rng;
 use crate::model::{now_mono_ns, now_us};
 
 /// Every fault kind with its weight in the random part of the schedule.
-pub const FAULTS: [(&str, u32); 20] = [
+pub const FAULTS: [(&str, u32); 23] = [
     ("sigkill", 10),
     ("sigstop", 12),
     ("sigterm", 5),
@@ -29,6 +29,9 @@ pub const FAULTS: [(&str, u32); 20] = [
     ("host_enqueue_rollback", 3),
     ("cancel_running_head", 10),
     ("neighbour_cancel_hint", 4),
+    ("host_bad_input", 4),
+    ("informational_write_fails", 3),
+    ("neighbour_schema_effects", 4),
 ];
 
 /// When a fault began, on both clocks.
@@ -99,6 +102,8 @@ pub fn plan(rng: &mut StdRng, lease_ms: u64, gap: (u64, u64), len: usize) -> Vec
                 }
                 "cancel_running_head" => (0, rng.gen_range(1..=3)),
                 "neighbour_cancel_hint" => (0, rng.gen_range(1..=4)),
+                "neighbour_schema_effects" => (0, rng.gen_range(1..=4)),
+                "informational_write_fails" => ((lease * rng.gen_range(1.5..3.0)) as u64, 0),
                 "pg_terminate_worker" => (0, rng.gen_range(1..4)),
                 "proxy_cut" => (0, rng.gen_bool(0.3) as u64),
                 _ => (0, 0),

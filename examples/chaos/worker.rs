@@ -106,6 +106,11 @@ impl Options {
             shutdown_grace: ms(1000),
             effect_keep: Duration::from_secs(24 * 3600),
             sequencer_idle: ms(2000),
+            // An idle limited queue beside the busy one, limited to every slot: it never
+            // has a job, and must never keep a slot from the queue that has them (the
+            // `liveness` and `stuck` rules judge the rest).
+            queues: vec!["default".into(), IDLE_LIMITED_QUEUE.into()],
+            queue_concurrency: [(IDLE_LIMITED_QUEUE.to_string(), self.concurrency)].into(),
             store: leasehold::StoreOptions {
                 max_result_bytes: MAX_RESULT_BYTES,
                 ..leasehold::StoreOptions::default()
@@ -114,6 +119,10 @@ impl Options {
         }
     }
 }
+
+/// A queue the workers claim from, with a limit of its own, that no job is ever
+/// enqueued into.
+pub const IDLE_LIMITED_QUEUE: &str = "idle_limited";
 
 pub fn main(args: &[String]) -> ! {
     let o = Options::parse(args);

@@ -16,7 +16,23 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
     let mut unstable: HashSet<&str> = HashSet::new();
     // Every key of a job carries the job's one effect identity: its first key's.
     let mut identity: HashMap<i64, String> = HashMap::new();
-    let mut log: Vec<&EffectLog> = c.effects.iter().collect();
+    // A neighbour schema's effects (`neighbour_schema_effects`) are judged apart: each is
+    // a new effect of a job of another schema, whose ids are this schema's.
+    let (neighbour, mut log): (Vec<&EffectLog>, Vec<&EffectLog>) = c
+        .effects
+        .iter()
+        .partition(|e| e.worker == crate::nemesis_operator::NEIGHBOUR_WORKER);
+    for e in neighbour {
+        if e.decision != "applied" {
+            f.add(
+                "neighbour_effect_shared",
+                format!(
+                    "a neighbour schema's job {} effect {:?} was answered {:?} (server seq {}), as if another job's",
+                    e.job, e.effect_key, e.decision, e.seq
+                ),
+            );
+        }
+    }
     log.sort_by_key(|e| e.seq);
     for e in &log {
         let stable = leasehold::EffectKey::parse(&e.effect_key).is_some_and(|k| {

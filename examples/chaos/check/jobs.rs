@@ -53,6 +53,20 @@ pub fn enqueues(c: &Input, f: &mut Findings, s: &mut Stats) {
             ),
             _ => {}
         }
+        // The good call a host made after calls the library refused in its transaction:
+        // the transaction must still take it and commit (a database fault meanwhile
+        // aside, which fails it otherwise).
+        if r.scenario.as_deref() == Some("host_bad_input")
+            && r.expect == "done"
+            && r.error.as_deref().is_some_and(|e| {
+                e.contains("current transaction is aborted") || e.contains("25P02")
+            })
+        {
+            f.add(
+                "host_tx_broken",
+                format!("cid {}: {}", r.cid, r.error.as_deref().unwrap_or_default()),
+            );
+        }
         if r.expect == "refused" && r.status == "ok" {
             let what = match r.scenario.as_deref() {
                 Some("deep_via_api") => "payload nested past 128 levels",

@@ -103,8 +103,57 @@ pub fn expiries(c: &Input, f: &mut Findings, s: &mut Stats) {
     }
 }
 
+/// Every expired lease is reaped within two reaper intervals (and a second of slack for
+/// a pass's own work) of its end, unless a fault around it explains a delay: one that
+/// disturbs the database or a process (any kind but the targeted ones), or a targeted
+/// one on its job or key (the reaper skips rows and keys others hold). Reapers run in
+/// every worker, and nothing they do besides reaping may hold it up: a refused
+/// heartbeat (`informational_write_fails`) explains nothing.
+pub fn reaps(c: &Input, f: &mut Findings, s: &mut Stats) {
+    let bound_us = (2 * c.run.reaper_ms as i64 + 1_000) * 1000;
+    let lease_faults = lease_faults(c);
+    let targeted = targeted_explanations(c);
+    for x in &c.expiries {
+        if x.reaped_by == super::execution::RACE_REAPER {
+            continue;
+        }
+        s.reaps_checked += 1;
+        let due = x.lease_until_us + bound_us;
+        if x.reaped_at_us <= due {
+            continue;
+        }
+        let (from, to) = (x.lease_until_us - 1_000_000, x.reaped_at_us);
+        let disturbed = lease_faults
+            .iter()
+            .any(|fr| fr.start_us <= to && fr.end_us >= from);
+        let job = c.jobs.iter().find(|j| j.id == x.job_id);
+        let touched = targeted.iter().any(|(jobs, key, start, end)| {
+            let mine = jobs.contains(&(x.job_id, 0))
+                || jobs.contains(&(x.job_id, x.generation))
+                || (key.is_some() && job.and_then(|j| j.job_key.as_ref()) == key.as_ref());
+            mine && *start <= to && *end >= from
+        });
+        if disturbed || touched {
+            s.reaps_late_excused += 1;
+        } else {
+            f.add(
+                "reap_late",
+                format!(
+                    "job {} gen {}: lease ended at {}, reaped {} ms later by {} (bound {} ms), no fault around it",
+                    x.job_id,
+                    x.generation,
+                    x.lease_until_us,
+                    (x.reaped_at_us - x.lease_until_us) / 1000,
+                    x.reaped_by,
+                    bound_us / 1000
+                ),
+            );
+        }
+    }
+}
+
 /// Kinds that act on named jobs or keys, not on a process: they explain only those.
-pub const TARGETED: [&str; 9] = [
+pub const TARGETED: [&str; 12] = [
     "manual_hold",
     "manual_release",
     "manual_cancel",
@@ -115,6 +164,10 @@ pub const TARGETED: [&str; 9] = [
     "host_enqueue_commit",
     "host_enqueue_rollback",
     "cancel_running_head",
+    // A host transaction's refused calls and a refused heartbeat explain no expiry.
+    "host_bad_input",
+    "informational_write_fails",
+    "neighbour_schema_effects",
 ];
 
 /// Faults that can stop a process's renewals.

@@ -32,7 +32,7 @@ pub use execution::RACE_REAPER;
 pub use input::Input;
 
 /// Every invariant, in report order, with what a violation means.
-pub const INVARIANTS: [(&str, &str); 34] = [
+pub const INVARIANTS: [(&str, &str); 37] = [
     ("lost", "an acknowledged enqueue has no row"),
     ("unexpected", "a row no enqueue asked for"),
     ("stuck", "pending or waiting after the drain"),
@@ -46,7 +46,7 @@ pub const INVARIANTS: [(&str, &str); 34] = [
     ),
     (
         "effect_key_unstable",
-        "an effect key that is not <schema identity>/<job>/<step>, the run's one identity",
+        "an effect key that is not <identity>/<job>/<step>, with one identity for all of a job's keys",
     ),
     (
         "effect_missing",
@@ -150,6 +150,18 @@ pub const INVARIANTS: [(&str, &str); 34] = [
         "clock_bound",
         "the database's clock was further from the workers' than the checker allows",
     ),
+    (
+        "reap_late",
+        "an expired lease reaped later than two reaper intervals, no fault to explain it",
+    ),
+    (
+        "host_tx_broken",
+        "a host transaction unusable after a call the library refused in it",
+    ),
+    (
+        "neighbour_effect_shared",
+        "another schema's job's effect answered at the effect store as if it were one of ours",
+    ),
     ("coverage", "a fault kind or guarded path never hit"),
 ];
 
@@ -231,6 +243,9 @@ pub struct Stats {
     pub dead_reaps_checked: u64,
     /// Generations that ran and ended cancelled, checked for a cancel request.
     pub running_cancels_checked: u64,
+    /// Expired leases checked for a prompt reap; late ones a fault explained.
+    pub reaps_checked: u64,
+    pub reaps_late_excused: u64,
 }
 
 impl Stats {
@@ -272,6 +287,7 @@ pub fn check(dir: &Path) -> Result<Report, String> {
     poison::check(&input, &mut f, &mut s);
     retention::check(&input, &mut f, &mut s);
     leases::expiries(&input, &mut f, &mut s);
+    leases::reaps(&input, &mut f, &mut s);
     leases::liveness(&input, &mut f, &mut s);
     leases::coverage(&input, &mut f, &mut s);
     let report = report::render(&input, &f, &s);

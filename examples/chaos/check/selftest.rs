@@ -546,7 +546,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 31] = [
+pub const CASES: [Case; 34] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -584,7 +584,91 @@ pub const CASES: [Case; 31] = [
     ("drop_guard_end_counts", drop_guard_end_counts),
     ("dead_never_started", dead_never_started),
     ("cancelled_unasked", cancelled_unasked),
+    ("reap_late", reap_late),
+    ("host_tx_broken", host_tx_broken),
+    ("neighbour_effect_shared", neighbour_effect_shared),
 ];
+
+/// A neighbour schema's job 1 applies its effect after this schema's job 1 did: a
+/// finding when the store answers it with job 1's receipt (one key for both), none when
+/// it is applied (keys of their own); and this schema's rules never count it.
+fn neighbour_effect_shared() -> Result<(), String> {
+    let build = |decision: &str| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        for (seq, worker, decision) in [
+            (1, "w0.1", "applied"),
+            (2, crate::nemesis_operator::NEIGHBOUR_WORKER, decision),
+        ] {
+            s.0.effects.push(crate::model::EffectLog {
+                seq,
+                t_us: us(seq as i64 * 10),
+                effect_key: format!("0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c2{seq}/1/s0"),
+                job: 1,
+                step: "s0".into(),
+                generation: 1,
+                key: None,
+                key_seq: None,
+                worker: worker.into(),
+                decision: decision.into(),
+                reply_dropped: false,
+            });
+        }
+        s.run(super::effects::check)
+    };
+    let (fires, quiet) = (build("already"), build("applied"));
+    if quiet.count("effect_applied_twice") != 0 {
+        return Err("a neighbour's effect counted as this schema's job 1's".into());
+    }
+    expect("neighbour_effect_shared", fires, quiet)
+}
+
+/// A lease reaped four seconds after it ended while only the heartbeat was refused: a
+/// finding; the same delay while the database restarted, or a reap within the bound, is
+/// none.
+fn reap_late() -> Result<(), String> {
+    let build = |explained: bool| {
+        let mut s = Synth::new();
+        s.0.run.reaper_ms = 300;
+        s.up(0);
+        s.job(1, None, None, "done");
+        s.expiry(1, 1, 0, 1000, 5000);
+        s.job(2, None, None, "done");
+        s.expiry(2, 1, 0, 1000, 2500);
+        s.fault("informational_write_fails", "schedulers", 0, 6000, vec![]);
+        if explained {
+            s.fault("pg_restart_fast", "pg", 900, 3000, vec![]);
+        }
+        s.run(super::leases::reaps)
+    };
+    expect("reap_late", build(false), build(true))
+}
+
+/// The good enqueue of a host transaction after refused calls failed because the
+/// transaction was aborted: a finding; failed on a lost connection: none.
+fn host_tx_broken() -> Result<(), String> {
+    let build = |error: &str| {
+        let mut s = Synth::new();
+        s.0.enq.push(EnqueueRecord {
+            cid: 9,
+            kind: "charge".into(),
+            key: Some("hot-1".into()),
+            status: "info".into(),
+            id: None,
+            error: Some(error.into()),
+            expect: "done".into(),
+            max_attempts: 12,
+            t_us: us(0),
+            scenario: Some("host_bad_input".into()),
+        });
+        s.run(super::jobs::enqueues)
+    };
+    expect(
+        "host_tx_broken",
+        build("enqueue_in after the refused calls: current transaction is aborted, commands ignored until end of transaction block"),
+        build("commit: error communicating with database: connection reset by peer"),
+    )
+}
 
 /// A job made dead by an expired lease: a finding when that generation's handler never
 /// started (it waited in the process for a slot), none when it ran.
