@@ -18,8 +18,8 @@
 -- its head, return the identity with the job. A changed result type needs the functions
 -- made again; the older `claim` keeps its own columns for a scheduler of a build before
 -- migration 16 still running during a rolling deploy.
-DROP FUNCTION __SCHEMA__.complete_keyed(bigint[], bigint[], jsonb[], text[], text[], boolean[], boolean, text, text[], float8, boolean, text);
 DROP FUNCTION __SCHEMA__.promote(text[], text[], boolean[], text, text[], float8, boolean, text);
+DROP FUNCTION __SCHEMA__.complete_keyed(bigint[], bigint[], jsonb[], text[], text[], boolean[], boolean, text, text[], float8, boolean, text);
 DROP FUNCTION __SCHEMA__.claim(text[], text[], integer, bigint, boolean, text, timestamptz, float8, boolean);
 DROP FUNCTION __SCHEMA__.claim_capped(text[], text[], integer, bigint, boolean, text, timestamptz, float8, boolean, text[], integer[]);
 
@@ -195,7 +195,12 @@ COMMENT ON FUNCTION __SCHEMA__.claim(text[], text[], integer, bigint, boolean, t
     'claim_capped without caps, for schedulers of builds before migration 16. See migrations/0021_job_effect_identity.sql.';
 
 -- Promotion and keyed completion as in version 3, each claimed successor with its
--- effect_identity.
+-- effect_identity. And keyed completion waits for key rows others hold for at most
+-- p_wait_ms (NULL: it skips them, as p_wait false did; 0: as long as the session's
+-- lock_timeout allows, as p_wait true did), in its own statement's
+-- transaction: the completions that wait take turns on one connection, and a turn of
+-- the session's whole lock_timeout each made the completion of a key held for a moment
+-- wait behind every key held for long (six such keys: 1.3 s; twelve: past a 2 s lease).
 CREATE FUNCTION __SCHEMA__.promote(
     p_queues text[],
     p_keys text[],
@@ -271,7 +276,7 @@ CREATE FUNCTION __SCHEMA__.complete_keyed(
     p_queues text[],
     p_keys text[],
     p_chain boolean[],
-    p_wait boolean,
+    p_wait_ms integer,
     p_owner text,
     p_kinds text[],
     p_lease_secs float8,
@@ -296,7 +301,12 @@ DECLARE
     dk text[];
     dc boolean[];
 BEGIN
-    IF p_wait THEN
+    IF p_wait_ms IS NOT NULL THEN
+        -- For this statement's transaction only: a turn of waiting is short, whatever
+        -- the session's own bound (see the note above the function). 0: the session's.
+        IF p_wait_ms > 0 THEN
+            PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+        END IF;
         SELECT array_agg(l.queue), array_agg(l.job_key) INTO lq, lk FROM (
             SELECT jk.queue, jk.job_key FROM __SCHEMA__.job_keys jk
             JOIN (SELECT DISTINCT x.q, x.k FROM unnest(p_queues, p_keys) AS x(q, k)) d
@@ -363,5 +373,5 @@ BEGIN
 END
 $fn$;
 
-COMMENT ON FUNCTION __SCHEMA__.complete_keyed(bigint[], bigint[], jsonb[], text[], text[], boolean[], boolean, text, text[], float8, boolean, text) IS
+COMMENT ON FUNCTION __SCHEMA__.complete_keyed(bigint[], bigint[], jsonb[], text[], text[], boolean[], integer, text, text[], float8, boolean, text) IS
     'Complete keyed jobs of p_owner in one call: lock their keys, complete, leave the keys, promote and chain-claim successors. Successors carry their effect_identity. See src/store/complete.rs and migrations/0021_job_effect_identity.sql.';

@@ -575,7 +575,7 @@ impl JobContext {
         let recorded = self
             .inner
             .store
-            .record_effect(
+            .record_effect_as_stored(
                 &self.fence(),
                 key.as_str(),
                 &fingerprint,
@@ -595,12 +595,14 @@ impl JobContext {
                 )),
             })?;
         match recorded {
-            RecordOutcome::Recorded => Ok(outcome),
-            RecordOutcome::AlreadyRecorded(existing) => {
+            // What a retry would get: the outcome as the ledger holds it, decoded.
+            (RecordOutcome::Recorded, Some(stored)) => decode_outcome(&key, stored),
+            (RecordOutcome::Recorded, None) => Ok(outcome),
+            (RecordOutcome::AlreadyRecorded(existing), _) => {
                 check_fingerprint(&key, &existing.fingerprint, &fingerprint)?;
                 decode_outcome(&key, existing.outcome)
             }
-            RecordOutcome::Stale => Err(JobError::retry(format!(
+            (RecordOutcome::Stale, _) => Err(JobError::retry(format!(
                 "lost the lease after effect {key}; the next attempt will find it by its key"
             ))),
         }
@@ -641,8 +643,8 @@ impl JobContext {
             })?;
         match found {
             Lookup::Lost => Err(JobError::retry(format!(
-                "this attempt no longer runs job {} (its lease was taken back, it was ended \
-                 by an operator, or the job is gone), so effect {key} was not run",
+                "this attempt no longer runs job {} (its lease was taken back, an operator \
+                 cancelled it, or the job is gone), so effect {key} was not run",
                 self.inner.job.id
             ))),
             Lookup::Absent => Ok(None),

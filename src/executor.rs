@@ -20,17 +20,16 @@
 //! is written only after the handler's task has really ended (the abort awaited), so a
 //! key never moves on while an attempt of its head may still run in this process.
 
-use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::task::{JoinError, JoinHandle};
 use tracing::Instrument;
 
-use crate::actor::completer::{Complete, Completed, Written};
+use crate::actor::completer::{Complete, Completed};
 use crate::context::{CancelReason, JobContext};
 use crate::env::Env;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::handler::{AttemptError, RetryDelay};
 use crate::job::{ClaimedJob, CompleteOutcome, FailOutcome};
 use crate::metrics::Outcome;
@@ -679,9 +678,8 @@ async fn write_ending(
                 with_retries(ctx, env, || env.store.completion_status(&fence)).await
             } else {
                 let result = if value.is_null() { None } else { Some(value) };
-                let waited = std::sync::atomic::AtomicBool::new(false);
                 with_retries(ctx, env, || {
-                    complete_via_batcher(env, ctx, chain, result.clone(), &waited)
+                    complete_via_batcher(env, job, chain, result.clone())
                 })
                 .await
             };
@@ -836,59 +834,35 @@ fn stale(env: &Env, job: &ClaimedJob, what: &str) -> Ended {
 
 async fn complete_via_batcher(
     env: &Env,
-    ctx: &JobContext,
+    job: &ClaimedJob,
     chain: Option<&std::sync::Mutex<Successor>>,
     result: Option<serde_json::Value>,
-    waited: &std::sync::atomic::AtomicBool,
 ) -> Result<CompleteOutcome> {
-    let job = ctx.job();
     let fence = job.fence();
-    let mut pause = Duration::from_millis(20);
-    loop {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let msg = Complete {
-            fence: fence.clone(),
-            key: job.key.clone().map(|k| (job.queue.clone(), k)),
-            chain: chain.is_some(),
-            result: result.clone(),
-            waited: waited.load(SeqCst),
-            reply: tx,
-        };
-        if env.completer.tell(msg).is_err() {
-            return env.store.complete(&fence, result).await;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let msg = Complete {
+        fence: fence.clone(),
+        key: job.key.clone().map(|k| (job.queue.clone(), k)),
+        chain: chain.is_some(),
+        result: result.clone(),
+        reply: tx,
+    };
+    if env.completer.tell(msg).is_err() {
+        return env.store.complete(&fence, result).await;
+    }
+    match rx.await {
+        Ok(Ok(Completed { outcome, successor })) => {
+            if let (Some(slot), CompleteOutcome::Completed) = (chain, &outcome) {
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = match successor {
+                    Some((job, sent)) => Successor::Claimed(Box::new(env.track(job, sent))),
+                    None => Successor::NoneClaimable,
+                };
+            }
+            Ok(outcome)
         }
-        match rx.await {
-            Ok(Ok(Written::Completed(Completed { outcome, successor }))) => {
-                if let (Some(slot), CompleteOutcome::Completed) = (chain, &outcome) {
-                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = match successor {
-                        Some((job, sent)) => Successor::Claimed(Box::new(env.track(job, sent))),
-                        None => Successor::NoneClaimable,
-                    };
-                }
-                return Ok(outcome);
-            }
-            // Its key row is held for long: tried again in a later batch, after a pause,
-            // without a turn on the waiting connection (see `actor::completer`).
-            Ok(Ok(Written::KeyBusy)) => {
-                if Instant::now() >= ctx.lease_deadline() + env.config.lease {
-                    return Err(Error::Batch {
-                        reason: "another transaction holds the job's key row".into(),
-                        transient: true,
-                    });
-                }
-                env.metrics.incr(|c| &c.completion_retries);
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(LOCK_RETRY_MAX);
-            }
-            Ok(Err(e)) => {
-                if e.is_lock_wait() {
-                    waited.store(true, SeqCst);
-                }
-                return Err(e);
-            }
-            // The batcher went away (shutdown): write it directly.
-            Err(_) => return env.store.complete(&fence, result).await,
-        }
+        Ok(Err(e)) => Err(e),
+        // The batcher went away (shutdown): write it directly.
+        Err(_) => env.store.complete(&fence, result).await,
     }
 }
 

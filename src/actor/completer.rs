@@ -14,15 +14,17 @@
 //!
 //! Unkeyed completions are written by one statement that never touches a key row;
 //! keyed ones in a transaction that locks their key rows first, skipping rows a host's
-//! open transaction holds. Those are written afterwards, each waiting for its key in
-//! turn on one connection (at most `Config::writer_lock_wait`), so no completion waits
-//! behind a key that is not its own in the batch. A completion that has waited out that
-//! bound once (its key is held for long) does not take a turn again: it is answered
-//! [`Written::KeyBusy`] at once, and its sender tries it again, in the next batch, after
-//! a pause. Otherwise a few keys held for long took every turn, one bound each, and the
-//! completion of a key held for a moment waited behind all of them (found by the fault
-//! harness: a finished job's ending landed 2.2 s after its handler returned, past its
-//! 2 s lease, with six keys' endings ahead of it).
+//! open transaction holds. Those are written afterwards, each alone, waiting for its own
+//! key in turns on all but one of the writer's connections (the last one writes the
+//! other endings), each turn at most [`KEY_TURN`]; one whose turn runs out
+//! is tried again by its sender after a pause (it renews its lease meanwhile). So no
+//! completion waits behind a key that is not its own for more than a few short turns:
+//! with turns of the session's whole `lock_timeout` (250 ms), keys held for long took
+//! every turn, and the completion of a key held for a moment waited behind all of them
+//! (found by the fault harness: a finished job's ending landed 2.2 s after its handler
+//! returned, past its 2 s lease). A turn still waits in the lock's queue, so a key that
+//! producers lock again and again for a moment each is completed in order, never
+//! starved.
 //!
 //! # Failure
 //! A batch that fails on a lost connection replies the error to each waiter; the
@@ -39,11 +41,23 @@ use tokio::sync::oneshot;
 use crate::error::{Error, Result};
 use crate::job::{ClaimedJob, CompleteOutcome, Fence, OwnerId};
 use crate::metrics::{MailboxMeter, Metrics};
-use crate::store::{Chain, KeyedItem, Store};
+use crate::store::{Chain, KeyWait, KeyedItem, Store};
 
 /// Batches written at once, at most: enough to overlap a slow statement, few enough
 /// that batches stay large under load.
 pub(crate) const MAX_WRITES_IN_FLIGHT: usize = 2;
+
+/// Completions that wait for a key row at once: all but one of the writer's connections
+/// (at least one), so one always writes the other endings.
+fn key_waiters(connections: u32) -> usize {
+    (connections as usize).saturating_sub(1).max(1)
+}
+
+/// The longest a completion waits for its key row in one turn (or
+/// `Config::writer_lock_wait`, when shorter): long enough for a producer's enqueue that
+/// holds the row for a moment, short enough that turns behind keys held for long pass
+/// quickly.
+pub(crate) const KEY_TURN: std::time::Duration = std::time::Duration::from_millis(25);
 
 /// Complete one job (fenced) and reply on `reply`.
 #[derive(Message)]
@@ -57,21 +71,7 @@ pub(crate) struct Complete {
     /// that waits on this reply (it runs it with the slot it holds).
     pub chain: bool,
     pub result: Option<serde_json::Value>,
-    /// An earlier try of this completion waited `Config::writer_lock_wait` for its key
-    /// row and gave up: a busy key row is not waited for again (see the module's docs).
-    pub waited: bool,
-    pub reply: oneshot::Sender<Result<Written>>,
-}
-
-/// What became of a completion. (Sent once per completion on its own channel: the
-/// size of the larger variant costs nothing worth a box.)
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Written {
-    /// Written (or found written, or stale: see the outcome).
-    Completed(Completed),
-    /// Nothing was written: another transaction holds the job's key row, and this
-    /// completion already waited for it once. Try again after a pause.
-    KeyBusy,
+    pub reply: oneshot::Sender<Result<Completed>>,
 }
 
 /// The outcome, and the key's successor when one was claimed for the sender, with the
@@ -91,6 +91,8 @@ pub(crate) struct Completer {
     buffer: Vec<Complete>,
     /// See [`Writer::key_waits`].
     key_waits: Arc<tokio::sync::Semaphore>,
+    /// See [`Writer::turn`].
+    turn: std::time::Duration,
     /// Batches being written now.
     writing: usize,
     timer: Option<SpawnHandle>,
@@ -104,9 +106,12 @@ pub(crate) struct Completer {
 struct Writer {
     store: Store,
     /// Completions that must wait for their key (a host's transaction holds it) take
-    /// turns on one connection, so however many keys hosts hold, the other connections
-    /// of the writer pool stay free for every other job's ending.
+    /// turns on all but one of the writer's connections, so however many keys hosts
+    /// hold, one connection of the writer pool stays free for every other job's ending.
     key_waits: Arc<tokio::sync::Semaphore>,
+    /// The longest one waits in its turn: [`KEY_TURN`], or `Config::writer_lock_wait`
+    /// when shorter.
+    turn: std::time::Duration,
     owner: OwnerId,
     kinds: Arc<[String]>,
     lease: std::time::Duration,
@@ -129,7 +134,8 @@ impl Completer {
             batch: config.completion_batch,
             flush_every: config.completion_flush,
             buffer: Vec::new(),
-            key_waits: Arc::new(tokio::sync::Semaphore::new(1)),
+            key_waits: Arc::new(tokio::sync::Semaphore::new(key_waiters(config.connections))),
+            turn: config.writer_lock_wait.min(KEY_TURN),
             writing: 0,
             timer: None,
             meter: metrics.meter("completer"),
@@ -142,6 +148,7 @@ impl Completer {
         Writer {
             store: self.store.clone(),
             key_waits: self.key_waits.clone(),
+            turn: self.turn,
             owner: self.owner.clone(),
             kinds: self.kinds.clone(),
             lease: self.lease,
@@ -205,14 +212,13 @@ impl Writer {
             futures_util::future::join(self.write_unkeyed(unkeyed), self.write_keyed(keyed, false))
                 .await
                 .1;
-        let (waited, busy): (Vec<Complete>, Vec<Complete>) =
-            busy.into_iter().partition(|c| c.waited);
-        for c in waited {
-            let _ = c.reply.send(Ok(Written::KeyBusy));
-        }
-        if !busy.is_empty() {
+        // Each alone, each taking its own turns: a statement for all of them would wait
+        // on the first key held and, timed out, write them one by one all the same,
+        // replying to the last only after every turn before it.
+        for c in busy {
+            let writer = self.clone();
             tokio::spawn(async move {
-                let left = self.write_keyed(busy, true).await;
+                let left = writer.write_keyed(vec![c], true).await;
                 debug_assert!(left.is_empty(), "a waiting write leaves nothing behind");
             });
         }
@@ -229,10 +235,10 @@ impl Writer {
         match self.store.complete_unkeyed(&self.owner, &items).await {
             Ok(outcomes) => {
                 for (c, outcome) in batch.into_iter().zip(outcomes) {
-                    let _ = c.reply.send(Ok(Written::Completed(Completed {
+                    let _ = c.reply.send(Ok(Completed {
                         outcome,
                         successor: None,
-                    })));
+                    }));
                 }
             }
             Err(e) => self.failed(batch, e, false).await,
@@ -258,14 +264,18 @@ impl Writer {
             lease: self.lease,
         };
         let written = {
-            // One connection at most waits on keys that others hold; the permit is let
-            // go before a failed wait is written again one by one (which waits again).
-            let _turn = match wait {
-                true => Some(self.key_waits.acquire().await.expect("never closed")),
-                false => None,
+            // A few connections at most wait on keys that others hold, a turn each; the
+            // permit is let go before a failed wait is written again one by one (which
+            // waits again).
+            let (_turn, key_wait) = match wait {
+                true => (
+                    Some(self.key_waits.acquire().await.expect("never closed")),
+                    KeyWait::AtMost(self.turn),
+                ),
+                false => (None, KeyWait::Skip),
             };
             self.store
-                .complete_keyed(&self.owner, &items, Some(&chain), wait)
+                .complete_keyed(&self.owner, &items, Some(&chain), key_wait)
                 .await
         };
         match written {
@@ -292,12 +302,10 @@ impl Writer {
         outcome: CompleteOutcome,
         successor: Option<(ClaimedJob, Instant)>,
     ) {
-        if let Err(Ok(Written::Completed(Completed {
+        if let Err(Ok(Completed {
             successor: Some((next, _)),
             ..
-        }))) = c
-            .reply
-            .send(Ok(Written::Completed(Completed { outcome, successor })))
+        })) = c.reply.send(Ok(Completed { outcome, successor }))
         {
             // Its sequencer is gone: give the successor back at once.
             let held = [(next.id, next.generation)];

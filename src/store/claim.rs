@@ -126,7 +126,10 @@ pub struct ClaimRequest {
     pub caps: BTreeMap<String, i64>,
     /// Lease taken on each claimed job, from the database's clock at the claim.
     pub lease: Duration,
-    /// Test clock: claim as if the database time were `at`.
+    /// Test clock: claim as if the database time were `at`. The claim's time is also the
+    /// attempt's fencing token ([`ClaimedJob::fencing_token`]), so a claim at a time
+    /// ahead of the database's gives a token later claims by the database's clock do not
+    /// pass until that time. The scheduler never sets it.
     pub at: Option<DateTime<Utc>>,
 }
 

@@ -94,6 +94,28 @@ pub(crate) struct KeyedItem {
     pub chain: bool,
 }
 
+/// How a keyed completion treats key rows other transactions hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KeyWait {
+    /// Skip them: those items are not written.
+    Skip,
+    /// Wait for them as long as the session's `lock_timeout` allows.
+    Session,
+    /// Wait for them at most this long (at least 1 ms), whatever the session allows.
+    AtMost(Duration),
+}
+
+impl KeyWait {
+    /// As `complete_keyed`'s `p_wait_ms`: NULL, 0, or the bound in milliseconds.
+    fn millis(self) -> Option<i32> {
+        match self {
+            KeyWait::Skip => None,
+            KeyWait::Session => Some(0),
+            KeyWait::AtMost(d) => Some(i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1)),
+        }
+    }
+}
+
 impl Store {
     /// Refuse a result that cannot be stored or read back: a NUL, nesting deeper than
     /// [`MAX_PAYLOAD_DEPTH`](super::MAX_PAYLOAD_DEPTH), or more than
@@ -223,10 +245,10 @@ impl Store {
                     chain: false,
                 })
                 .collect();
-            for (k, (outcome, _)) in batch
-                .iter()
-                .zip(self.complete_keyed(owner, &batch, None, true).await?)
-            {
+            for (k, (outcome, _)) in batch.iter().zip(
+                self.complete_keyed(owner, &batch, None, KeyWait::Session)
+                    .await?,
+            ) {
                 outcomes.insert(
                     (k.item.0, k.item.1),
                     outcome.unwrap_or(CompleteOutcome::Stale),
@@ -256,20 +278,20 @@ impl Store {
     /// the jobs, leave the keys, promote (and, where `chain` is set and a [`Chain`] is
     /// given, claim) each key's successor.
     ///
-    /// With `wait` false, a key row that another transaction holds is skipped, not
+    /// With [`KeyWait::Skip`], a key row that another transaction holds is skipped, not
     /// waited for: that item's outcome is `None` (nothing written) and the caller
-    /// writes it again with `wait` true, in a transaction of its own, so one key held by
-    /// a host's open transaction does not hold up the other keys of the batch. Each
+    /// writes it again waiting, in a transaction of its own, so one key held by a host's
+    /// open transaction does not hold up the other keys of the batch. Each
     /// outcome comes with the successor claimed for it, if any, and the moment the
     /// claiming statement was sent, after every wait for a lock: its lease counts from
     /// then (`clock_timestamp()` in the statement), not from the batch's start.
-    #[tracing::instrument(name = "leasehold.complete_keyed", level = "debug", skip_all, fields(n = batch.len(), wait))]
+    #[tracing::instrument(name = "leasehold.complete_keyed", level = "debug", skip_all, fields(n = batch.len(), wait = ?wait))]
     pub(crate) async fn complete_keyed(
         &self,
         owner: &OwnerId,
         batch: &[KeyedItem],
         chain: Option<&Chain<'_>>,
-        wait: bool,
+        wait: KeyWait,
     ) -> Result<Vec<KeyedOutcome>> {
         if batch.is_empty() {
             return Ok(Vec::new());
@@ -289,7 +311,7 @@ impl Store {
             .bind(col(|k| k.key.0.as_str()))
             .bind(col(|k| k.key.1.as_str()))
             .bind(&chain_wanted)
-            .bind(wait)
+            .bind(wait.millis())
             .bind(owner.as_str())
             .bind(chain.map(|c| c.kinds))
             .bind(chain.map(|c| secs(c.lease)).unwrap_or(0.0))

@@ -29,23 +29,25 @@ WITH fence AS (
     INSERT INTO {s}.effects (effect_key, job_id, generation, fingerprint, outcome, keep_until)
     SELECT $4, $1, $3, $5, $6, now() + make_interval(secs => $7) FROM fence
     ON CONFLICT (effect_key) DO NOTHING
-    RETURNING effect_key
+    RETURNING effect_key, outcome
 )
-SELECT (SELECT count(*) FROM fence) AS fenced, (SELECT count(*) FROM ins) AS inserted"#;
+SELECT (SELECT count(*) FROM fence) AS fenced, (SELECT count(*) FROM ins) AS inserted,
+       (SELECT outcome FROM ins) AS stored"#;
 
 pub(super) const LOOKUP: &str = r#"/* leasehold:effect_lookup */
 SELECT effect_key, job_id, generation, fingerprint, outcome, recorded_at, keep_until
 FROM {s}.effects WHERE effect_key = $1"#;
 
 /// [`LOOKUP`] under the attempt's fence, in one statement: `held` is whether the attempt
-/// (job id $2, its effect identity $3, owner $4, generation $5) still runs the job; the
-/// effect columns are null when the key has no record.
+/// (job id $2, its effect identity $3, owner $4, generation $5) still runs the job and
+/// no cancel of it is recorded; the effect columns are null when the key has no record.
 pub(super) const LOOKUP_UNDER: &str = r#"/* leasehold:effect_lookup_under */
 SELECT j.id IS NOT NULL AS held,
        e.effect_key, e.job_id, e.generation, e.fingerprint, e.outcome, e.recorded_at, e.keep_until
 FROM (SELECT 1) one
 LEFT JOIN {s}.jobs j ON j.id = $2 AND j.effect_identity = $3::uuid AND j.owner = $4
                      AND j.generation = $5 AND j.state = 'running'
+                     AND j.cancel_requested_at IS NULL
 LEFT JOIN {s}.effects e ON e.effect_key = $1"#;
 
 /// What the ledger says before an attempt acts (see [`Store::effect_under`]).
@@ -56,8 +58,8 @@ pub(crate) enum Lookup {
     /// No record, and the attempt still runs its job: it may act.
     Absent,
     /// No record, and the attempt no longer runs the job (a newer attempt or a reaper
-    /// took it back, an operator ended it, or the job is not in this schema any more):
-    /// it must not act.
+    /// took it back, an operator ended it or asked it to stop, or the job is not in this
+    /// schema any more): it must not act.
     Lost,
 }
 
@@ -203,6 +205,23 @@ impl Store {
         outcome: &serde_json::Value,
         keep: Duration,
     ) -> Result<RecordOutcome> {
+        self.record_effect_as_stored(fence, effect_key, fingerprint, outcome, keep)
+            .await
+            .map(|(recorded, _)| recorded)
+    }
+
+    /// [`Store::record_effect`], and, when this call recorded it, the outcome as the
+    /// ledger holds it (PostgreSQL's jsonb prints some numbers otherwise than they were
+    /// sent: `1e16` as `10000000000000000`, `-0.0` as `0.0`), which is what every later
+    /// attempt reads.
+    pub(crate) async fn record_effect_as_stored(
+        &self,
+        fence: &Fence,
+        effect_key: &str,
+        fingerprint: &str,
+        outcome: &serde_json::Value,
+        keep: Duration,
+    ) -> Result<(RecordOutcome, Option<serde_json::Value>)> {
         check_effect_key(effect_key)?;
         check_name("fingerprint", fingerprint)?;
         let limit = JsonLimit {
@@ -223,16 +242,16 @@ impl Store {
         let fenced: i64 = row.try_get("fenced")?;
         let inserted: i64 = row.try_get("inserted")?;
         if fenced == 0 {
-            return Ok(RecordOutcome::Stale);
+            return Ok((RecordOutcome::Stale, None));
         }
         if inserted == 1 {
-            return Ok(RecordOutcome::Recorded);
+            return Ok((RecordOutcome::Recorded, row.try_get("stored")?));
         }
         match self.effect(effect_key).await? {
-            Some(existing) => Ok(RecordOutcome::AlreadyRecorded(existing)),
+            Some(existing) => Ok((RecordOutcome::AlreadyRecorded(existing), None)),
             // Pruned between the two statements: only possible with a keep shorter than
             // the retry window; report it as already there rather than guess.
-            None => Ok(RecordOutcome::Stale),
+            None => Ok((RecordOutcome::Stale, None)),
         }
     }
 }

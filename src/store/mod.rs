@@ -47,7 +47,7 @@ use sqlx::PgPool;
 
 pub use admin::{CancelOutcome, PruneReport};
 pub use claim::ClaimRequest;
-pub(crate) use complete::KeyedItem;
+pub(crate) use complete::{KeyWait, KeyedItem};
 pub(crate) use effects::Lookup;
 pub use effects::{EffectRecord, RecordOutcome};
 pub use fail::Failure;
