@@ -292,6 +292,17 @@ fn a_policy_whose_retries_outlive_the_effect_ledger_is_refused_at_start() {
     }))
 }
 
+/// A `strict` job that fails every run, setting neither attempts nor priority.
+fn dies() -> NewJob {
+    plan(
+        Plan {
+            fail_runs: 99,
+            ..Plan::default()
+        },
+        "strict",
+    )
+}
+
 /// Enqueues two `strict` follow-ups, setting neither attempts nor priority: one on its
 /// own, one in the transaction that completes this job.
 #[derive(Clone)]
@@ -305,18 +316,9 @@ impl Handler for Chain {
     const KIND: &'static str = "chain";
 
     async fn run(&self, ctx: JobContext, _: serde_json::Value) -> Result<(), JobError> {
-        let follow_up = || {
-            plan(
-                Plan {
-                    fail_runs: 99,
-                    ..Plan::default()
-                },
-                "strict",
-            )
-        };
-        ctx.enqueue(follow_up()).await?;
+        ctx.enqueue(dies()).await?;
         let mut tx = self.pool.begin().await?;
-        ctx.enqueue_in(&mut tx, follow_up()).await?;
+        ctx.enqueue_in(&mut tx, dies()).await?;
         ctx.complete_in(&mut tx, None).await?;
         tx.commit().await?;
         Ok(())
@@ -328,15 +330,6 @@ fn every_enqueue_path_of_a_scheduler_gives_the_kinds_attempts_and_priority() {
     run_in_system(within(60, "kind policies on every enqueue path", async {
         let db = TestDb::with_options("rt_policy_paths", StoreOptions::default(), POOL).await;
         let strict = Strict::default();
-        let dies = || {
-            plan(
-                Plan {
-                    fail_runs: 99,
-                    ..Plan::default()
-                },
-                "strict",
-            )
-        };
         let s = Scheduler::builder(db.pool.clone(), slow_config(&db))
             .register(strict.clone())
             .register(Chain {
