@@ -198,11 +198,13 @@ fn two_builds_with_different_specs_fire_each_time_of_the_newer_spec_once() {
     run_in_system(within(90, "periodic rolling deploy", async {
         let db = TestDb::with_options("rt_periodic_deploy", StoreOptions::default(), POOL).await;
         let h = Tock::default();
-        // The old build fires every second; the new one, started beside it, every two
-        // seconds. Before this was fixed each rewrote the other's spec and neither fired.
-        let old = start(&db, &h, vec![every_second("tick")]).await;
-        periodic::wait_for_fires(&db, "tick", 2, 10).await;
-        let new = start(&db, &h, vec![every("tick", 2)]).await;
+        // The old build fires at even seconds; the new one, started beside it, at odd
+        // ones, so no fire time is both builds'. Before this was fixed each rewrote the
+        // other's spec at its own times and neither fired while both ran.
+        let old = start(&db, &h, vec![every("tick", 2)]).await;
+        periodic::wait_for_fires(&db, "tick", 1, 10).await;
+        let odd = Periodic::cron("tick", "1/2 * * * * *", periodic::tock("tick")).unwrap();
+        let new = start(&db, &h, vec![odd]).await;
         let both_from: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
             .fetch_one(&db.pool)
             .await
@@ -212,23 +214,34 @@ fn two_builds_with_different_specs_fire_each_time_of_the_newer_spec_once() {
         tokio::time::sleep(Duration::from_millis(2500)).await;
         new.shutdown().await.unwrap();
         let f = fires(&db, "tick").await;
-        // Every second until the new spec took over, then every two seconds, each time
-        // once (the fire rows' primary key), none lost at the switch, none late.
-        let g = gaps(&f);
-        assert!(g.iter().all(|g| *g == 1 || *g == 2), "{f:?}");
-        let switch = g.iter().position(|g| *g == 2).expect("the new spec fired");
-        assert!(g[switch..].iter().all(|g| *g == 2), "{f:?}");
+        // Even seconds until the new spec took over, then odd ones every two seconds,
+        // each time once (the fire rows' primary key), none lost at the switch, none late.
+        let switch = f
+            .iter()
+            .position(|(t, _)| t.timestamp() % 2 == 1)
+            .expect("the new spec fired");
         assert!(
-            f[switch..].iter().all(|(t, _)| t.timestamp() % 2 == 0),
+            f[..switch].iter().all(|(t, _)| t.timestamp() % 2 == 0),
             "{f:?}"
         );
+        assert!(
+            f[switch..].iter().all(|(t, _)| t.timestamp() % 2 == 1),
+            "{f:?}"
+        );
+        let g = gaps(&f);
+        assert!(g[..switch - 1].iter().all(|g| *g == 2), "{f:?}");
+        assert_eq!(g[switch - 1], 1, "the switch lost a fire time: {f:?}");
+        assert!(g[switch..].iter().all(|g| *g == 2), "{f:?}");
         assert!(f.iter().all(|(_, late)| !late), "{f:?}");
         let while_both = since(&f, both_from + chrono::Duration::seconds(1));
         assert!(
-            while_both.len() >= 3,
+            while_both.len() >= 2,
             "fired while both builds ran: {while_both:?} of {f:?}"
         );
-        assert_eq!(stored_spec(&db, "tick").await, ("every 2s".into(), 2));
+        assert_eq!(
+            stored_spec(&db, "tick").await,
+            ("cron 1/2 * * * * * UTC".into(), 2)
+        );
         let enqueued: u64 = [&old, &new]
             .iter()
             .map(|s| s.metrics().counters.periodic_enqueued)
