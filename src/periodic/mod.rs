@@ -100,10 +100,11 @@ pub const SPEC_KEPT_FOR: Duration = Duration::from_secs(30);
 
 impl Periodic {
     /// A schedule named `name` (unique among your schedules; it is how every process
-    /// recognizes it) firing by the cron `expression`, with seconds, in UTC: `"0 */5 * *
-    /// * *"` is every five minutes, `"0 0 3 * * Mon-Fri"` 03:00 on weekdays. Each fire
-    /// enqueues a copy of `job` whose run-at time is the fire time. An expression that
-    /// does not parse, or has no fire time from now on, is refused with the reason.
+    /// recognizes it) firing by the cron `expression`, with seconds, in UTC:
+    /// `"0 */5 * * * *"` is every five minutes, `"0 0 3 * * Mon-Fri"` 03:00 on weekdays.
+    /// Each fire enqueues a copy of `job` whose run-at time is the fire time. An
+    /// expression that does not parse, or has no fire time from now on, is refused with
+    /// the reason.
     ///
     /// ```
     /// # use leasehold::{CatchUp, NewJob, Periodic};

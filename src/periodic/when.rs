@@ -37,16 +37,25 @@ const LONGEST_GAP: chrono::Duration = chrono::Duration::hours(48);
 impl When {
     /// A cron expression, refused with the parser's reason, or when it never fires.
     pub(crate) fn cron(expression: &str, tz: Tz) -> Result<When> {
+        let when = When::parse_cron(expression, tz)?;
+        if let When::Cron(schedule, _) = &when {
+            // Input checking only (a year in the past is a mistake to say at once); no
+            // fire-time decision reads the host's clock.
+            if schedule.upcoming(Utc).next().is_none() {
+                return Err(Error::InvalidInput {
+                    field: "cron expression",
+                    reason: format!("{expression:?} has no fire time from now on"),
+                });
+            }
+        }
+        Ok(when)
+    }
+
+    fn parse_cron(expression: &str, tz: Tz) -> Result<When> {
         let schedule = cron::Schedule::from_str(expression).map_err(|e| Error::InvalidInput {
             field: "cron expression",
             reason: format!("{expression:?}: {e}"),
         })?;
-        if schedule.upcoming(Utc).next().is_none() {
-            return Err(Error::InvalidInput {
-                field: "cron expression",
-                reason: format!("{expression:?} has no fire time from now on"),
-            });
-        }
         Ok(When::Cron(Box::new(schedule), tz))
     }
 
@@ -85,7 +94,7 @@ impl When {
             let (expression, zone) = rest
                 .rsplit_once(' ')
                 .ok_or_else(|| bad("no time zone after the expression".into()))?;
-            return When::cron(expression, zone_named(zone)?);
+            return When::parse_cron(expression, zone_named(zone)?);
         }
         if let Some(interval) = spec.strip_prefix("every ") {
             let d = humantime::parse_duration(interval).map_err(|e| bad(e.to_string()))?;

@@ -25,12 +25,15 @@ FOR UPDATE SKIP LOCKED"#;
 /// This build keeps `spec`: a spec seen for the first time gets the next version. Run
 /// under the schedule's row lock, so no two builds take the same version. The times are
 /// set here, not by the columns' defaults, so they are read from the same clock the
-/// statement that compares them reads.
+/// statement that compares them reads. `kept_at` is rewritten at most once per `$3`
+/// seconds, however many processes look: it only has to stay well within
+/// `SPEC_KEPT_FOR`.
 const KEEP: &str = r#"/* leasehold:periodic_keep */
 INSERT INTO {s}.periodic_specs (name, spec, version, first_seen_at, kept_at)
 SELECT $1, $2, coalesce(max(version), 0) + 1, clock_timestamp(), clock_timestamp()
 FROM {s}.periodic_specs WHERE name = $1
-ON CONFLICT (name, spec) DO UPDATE SET kept_at = clock_timestamp()"#;
+ON CONFLICT (name, spec) DO UPDATE SET kept_at = clock_timestamp()
+WHERE periodic_specs.kept_at < clock_timestamp() - make_interval(secs => $3)"#;
 
 /// The spec the schedule fires: the highest version a running build keeps.
 const STORED: &str = r#"/* leasehold:periodic_stored */
@@ -172,9 +175,11 @@ impl Store {
         sqlx::query(&self.schema().render(KEEP))
             .bind(p.name())
             .bind(&own)
+            .bind(LOOK_AT_LEAST_EVERY.as_secs_f64())
             .execute(self.on(&mut *tx))
             .await?;
-        // This build's own spec was kept a moment ago, so there is always one.
+        // This build's own spec was kept within the last `LOOK_AT_LEAST_EVERY`, far
+        // inside `SPEC_KEPT_FOR`, so there is always one.
         let (spec, version): (String, i64) = sqlx::query_as(&self.schema().render(STORED))
             .bind(p.name())
             .bind(SPEC_KEPT_FOR.as_secs_f64())
