@@ -23,7 +23,7 @@ use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::JobError;
-use crate::job::{ClaimedJob, CompleteOutcome, EffectIdentity, Fence, Generation, JobId};
+use crate::job::{ClaimedJob, CompleteOutcome, EffectIdentity, Fence, Generation, JobId, NewJob};
 use crate::store::{Lookup, RecordOutcome, Store};
 
 /// Why a handler was asked to stop.
@@ -408,6 +408,23 @@ impl JobContext {
             *self.inner.completed_in_tx.lock().unwrap() = true;
         }
         Ok(outcome)
+    }
+
+    /// Enqueue a follow-up job (in its own transaction), through the scheduler running
+    /// this attempt: a kind registered there gets its [`KindPolicy`](crate::KindPolicy)
+    /// attempts and priority where the job sets none, as an enqueue through the
+    /// [`Scheduler`](crate::Scheduler) does; any other kind gets the scheduler's defaults.
+    /// A job without a queue goes to the store's default queue, as with
+    /// [`Store::enqueue`].
+    pub async fn enqueue(&self, job: NewJob) -> crate::Result<JobId> {
+        self.inner.store.enqueue(job).await
+    }
+
+    /// [`JobContext::enqueue`] inside the caller's transaction, e.g. the one that
+    /// completes this job ([`JobContext::complete_in`]): the follow-up exists exactly
+    /// when the completion does.
+    pub async fn enqueue_in(&self, conn: &mut PgConnection, job: NewJob) -> crate::Result<JobId> {
+        self.inner.store.enqueue_in(conn, job).await
     }
 
     /// Run an effect at most once per effect key (see the module docs).

@@ -112,10 +112,14 @@ pub trait Handler: Send + Sync + 'static {
 /// A job kind's own policies ([`Handler::policy`]); `None` falls back to the
 /// scheduler's [`Config`](crate::Config).
 ///
-/// `max_attempts` and `priority` are applied when a job is enqueued through a
-/// [`Scheduler`](crate::Scheduler) that registered the kind, unless the job sets its
-/// own (a priority of 0, the default, counts as not set); a producer enqueueing through
-/// a bare [`Store`](crate::Store) gets the store's defaults. `retry_delay` and
+/// `max_attempts` and `priority` are applied to every job of the kind that a
+/// [`Scheduler`](crate::Scheduler) registering the kind enqueues, unless the job sets
+/// its own (a priority of 0, the default, counts as not set): through the handle, its
+/// [`Scheduler::store`](crate::Scheduler::store), its periodic schedules, and its
+/// handlers' follow-ups ([`JobContext::enqueue`](crate::JobContext::enqueue)). A
+/// producer enqueueing through a bare [`Store`](crate::Store) of its own gets the
+/// store's defaults. An operator's retry of a dead job keeps the attempts and priority
+/// the job was enqueued with, from a fresh attempt count. `retry_delay` and
 /// `max_run_time` apply in every process that runs the kind. A lease that expires
 /// (a crashed process) is retried with `Config::retry`, since the reaper may run
 /// where the kind is not registered.
@@ -347,7 +351,7 @@ impl Registry {
         self.handlers.get(kind).cloned()
     }
 
-    /// Each kind's policy, for the checks at start.
+    /// Each kind's policy, for the checks at start and the stores' enqueues.
     pub fn policies(&self) -> Vec<(String, KindPolicy)> {
         self.handlers
             .iter()

@@ -1,93 +1,23 @@
 //! Periodic jobs: every fire time of a schedule is enqueued exactly once however many
 //! schedulers keep it, a restart loses and duplicates none, the catch-up policies after
-//! a stop enqueue exactly what they say, and a changed schedule takes effect at its
-//! next fire time. Asserted on the jobs and the fire rows, and on what the handler ran.
+//! a stop enqueue exactly what they say, a changed schedule goes on from its position,
+//! and two builds whose specs differ (a rolling deploy), or of which one no longer has
+//! the schedule, fire each time of the stored spec once. Asserted on the jobs and the
+//! fire rows, and on what the handler ran. The daylight-saving nights and clock skew are
+//! in `runtime_periodic_clock.rs`.
 
 mod common;
+#[path = "common/periodic.rs"]
+mod periodic;
 #[path = "common/worker.rs"]
 mod worker;
 
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
-use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use common::{within, TestDb};
-use leasehold::{
-    CatchUp, Handler, JobContext, JobError, NewJob, Periodic, Scheduler, StoreOptions,
-};
+use leasehold::{CatchUp, NewJob, Periodic, Scheduler, StoreOptions};
+use periodic::{every, every_second, fires, gaps, start, stored_spec, Tock};
 use worker::{fast_config, run_in_system, wait_until, POOL};
-
-#[derive(Clone, Default)]
-struct Tock(Arc<AtomicU64>);
-
-impl Handler for Tock {
-    type Payload = serde_json::Value;
-    type Output = ();
-    const KIND: &'static str = "tock";
-
-    async fn run(&self, _: JobContext, _: serde_json::Value) -> Result<(), JobError> {
-        self.0.fetch_add(1, SeqCst);
-        Ok(())
-    }
-}
-
-fn every_second(name: &str) -> Periodic {
-    Periodic::every(
-        name,
-        Duration::from_secs(1),
-        NewJob::from_json("tock", serde_json::json!({ "schedule": name })),
-    )
-    .unwrap()
-}
-
-async fn start(db: &TestDb, h: &Tock, schedules: Vec<Periodic>) -> Scheduler {
-    let mut b = Scheduler::builder(db.pool.clone(), fast_config(&db.schema)).register(h.clone());
-    for p in schedules {
-        b = b.periodic(p);
-    }
-    b.start().await.unwrap()
-}
-
-/// A schedule's fire rows: (fire time, late), oldest first; and checks that each has
-/// exactly one job, whose run-at time is the fire time.
-async fn fires(db: &TestDb, name: &str) -> Vec<(DateTime<Utc>, bool)> {
-    let rows: Vec<(DateTime<Utc>, bool, Option<DateTime<Utc>>)> = sqlx::query_as(&format!(
-        "SELECT f.fire_at, f.late, j.available_at FROM {} f LEFT JOIN {} j ON j.id = f.job_id
-          WHERE f.name = $1 ORDER BY f.fire_at",
-        db.table("periodic_fires"),
-        db.table("jobs")
-    ))
-    .bind(name)
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
-    for (at, _, job_at) in &rows {
-        assert_eq!(
-            Some(*at),
-            *job_at,
-            "each fire has its job, due at the fire time"
-        );
-        assert_eq!(
-            at.timestamp_subsec_nanos(),
-            0,
-            "fire times are whole seconds"
-        );
-    }
-    let jobs = db
-        .count_where("jobs", &format!("payload->>'schedule' = '{name}'"))
-        .await;
-    assert_eq!(jobs as usize, rows.len(), "one job per fire time of {name}");
-    rows.into_iter().map(|(at, late, _)| (at, late)).collect()
-}
-
-/// Whole seconds between consecutive fire times.
-fn gaps(fires: &[(DateTime<Utc>, bool)]) -> Vec<i64> {
-    fires
-        .windows(2)
-        .map(|w| (w[1].0 - w[0].0).num_seconds())
-        .collect()
-}
 
 #[test]
 fn three_schedulers_enqueue_each_fire_time_of_a_one_second_schedule_exactly_once() {
@@ -122,7 +52,7 @@ fn three_schedulers_enqueue_each_fire_time_of_a_one_second_schedule_exactly_once
             f.len(),
             "counted once, by whichever fired it"
         );
-        assert!(h.0.load(SeqCst) <= f.len() as u64);
+        assert!(h.runs() <= f.len() as u64);
         db.drop().await;
     }))
 }
@@ -210,7 +140,7 @@ fn after_a_five_second_stop_each_catch_up_policy_enqueues_what_it_says() {
 }
 
 #[test]
-fn a_changed_schedule_takes_effect_at_its_next_fire_time() {
+fn a_changed_schedule_goes_on_from_its_position_with_its_new_times() {
     run_in_system(within(90, "periodic schedule change", async {
         let db = TestDb::with_options("rt_periodic_change", StoreOptions::default(), POOL).await;
         let h = Tock::default();
@@ -237,6 +167,10 @@ fn a_changed_schedule_takes_effect_at_its_next_fire_time() {
                 .all(|(t, late)| t.timestamp() % 2 == 0 && !late),
             "{f:?}"
         );
+        // No fire time between the two specs was lost: the new spec's first time is
+        // its first after the old one's last.
+        assert!(gaps(&f).iter().all(|g| *g <= 2), "{f:?}");
+        assert_eq!(stored_spec(&db, "tick").await, ("every 2s".into(), 2));
         // Two schedules may not share a name.
         let err = Scheduler::builder(db.pool.clone(), fast_config(&db.schema))
             .register(h.clone())
@@ -249,4 +183,109 @@ fn a_changed_schedule_takes_effect_at_its_next_fire_time() {
         assert!(err.to_string().contains("dup"), "{err}");
         db.drop().await;
     }))
+}
+
+/// Fire rows of `name` enqueued at or after `from` (database time).
+fn since(
+    f: &[(chrono::DateTime<chrono::Utc>, bool)],
+    from: chrono::DateTime<chrono::Utc>,
+) -> Vec<(chrono::DateTime<chrono::Utc>, bool)> {
+    f.iter().copied().filter(|(t, _)| *t >= from).collect()
+}
+
+#[test]
+fn two_builds_with_different_specs_fire_each_time_of_the_newer_spec_once() {
+    run_in_system(within(90, "periodic rolling deploy", async {
+        let db = TestDb::with_options("rt_periodic_deploy", StoreOptions::default(), POOL).await;
+        let h = Tock::default();
+        // The old build fires at even seconds; the new one, started beside it, at odd
+        // ones, so no fire time is both builds'. Before this was fixed each rewrote the
+        // other's spec at its own times and neither fired while both ran.
+        let old = start(&db, &h, vec![every("tick", 2)]).await;
+        periodic::wait_for_fires(&db, "tick", 1, 10).await;
+        let odd = Periodic::cron("tick", "1/2 * * * * *", periodic::tock("tick")).unwrap();
+        let new = start(&db, &h, vec![odd]).await;
+        let both_from: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        old.shutdown().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        new.shutdown().await.unwrap();
+        let f = fires(&db, "tick").await;
+        // Even seconds until the new spec took over, then odd ones every two seconds,
+        // each time once (the fire rows' primary key), none lost at the switch, none late.
+        let switch = f
+            .iter()
+            .position(|(t, _)| t.timestamp() % 2 == 1)
+            .expect("the new spec fired");
+        assert!(
+            f[..switch].iter().all(|(t, _)| t.timestamp() % 2 == 0),
+            "{f:?}"
+        );
+        assert!(
+            f[switch..].iter().all(|(t, _)| t.timestamp() % 2 == 1),
+            "{f:?}"
+        );
+        let g = gaps(&f);
+        assert!(g[..switch - 1].iter().all(|g| *g == 2), "{f:?}");
+        assert_eq!(g[switch - 1], 1, "the switch lost a fire time: {f:?}");
+        assert!(g[switch..].iter().all(|g| *g == 2), "{f:?}");
+        assert!(f.iter().all(|(_, late)| !late), "{f:?}");
+        let while_both = since(&f, both_from + chrono::Duration::seconds(1));
+        assert!(
+            while_both.len() >= 2,
+            "fired while both builds ran: {while_both:?} of {f:?}"
+        );
+        assert_eq!(
+            stored_spec(&db, "tick").await,
+            ("cron 1/2 * * * * * UTC".into(), 2)
+        );
+        let enqueued: u64 = [&old, &new]
+            .iter()
+            .map(|s| s.metrics().counters.periodic_enqueued)
+            .sum();
+        assert_eq!(
+            enqueued as usize,
+            f.len(),
+            "counted once, by whichever fired it"
+        );
+        db.drop().await;
+    }))
+}
+
+#[test]
+fn a_build_without_the_schedule_beside_one_that_keeps_it_changes_nothing() {
+    run_in_system(within(
+        90,
+        "periodic schedule removed in one build",
+        async {
+            let db =
+                TestDb::with_options("rt_periodic_removed", StoreOptions::default(), POOL).await;
+            let h = Tock::default();
+            let keeps = start(&db, &h, vec![every_second("tick")]).await;
+            periodic::wait_for_fires(&db, "tick", 1, 10).await;
+            // The new build no longer has "tick" (it has a schedule of its own).
+            let removed = start(&db, &h, vec![every("other", 3)]).await;
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            removed.shutdown().await.unwrap();
+            keeps.shutdown().await.unwrap();
+            let f = fires(&db, "tick").await;
+            assert!(f.len() >= 4, "{f:?}");
+            assert!(
+                gaps(&f).iter().all(|g| *g == 1),
+                "a fire time was lost: {f:?}"
+            );
+            assert!(f.iter().all(|(_, late)| !late), "{f:?}");
+            assert_eq!(stored_spec(&db, "tick").await, ("every 1s".into(), 1));
+            // Once no build keeps it, it stops: a build without it fires nothing of it.
+            let last = f.last().unwrap().0;
+            let removed = start(&db, &h, vec![every("other", 3)]).await;
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            removed.shutdown().await.unwrap();
+            assert_eq!(fires(&db, "tick").await.last().unwrap().0, last);
+            db.drop().await;
+        },
+    ))
 }

@@ -291,3 +291,107 @@ fn a_policy_whose_retries_outlive_the_effect_ledger_is_refused_at_start() {
         db.drop().await;
     }))
 }
+
+/// A `strict` job that fails every run, setting neither attempts nor priority.
+fn dies() -> NewJob {
+    plan(
+        Plan {
+            fail_runs: 99,
+            ..Plan::default()
+        },
+        "strict",
+    )
+}
+
+/// Enqueues two `strict` follow-ups, setting neither attempts nor priority: one on its
+/// own, one in the transaction that completes this job.
+#[derive(Clone)]
+struct Chain {
+    pool: sqlx::PgPool,
+}
+
+impl Handler for Chain {
+    type Payload = serde_json::Value;
+    type Output = ();
+    const KIND: &'static str = "chain";
+
+    async fn run(&self, ctx: JobContext, _: serde_json::Value) -> Result<(), JobError> {
+        ctx.enqueue(dies()).await?;
+        let mut tx = self.pool.begin().await?;
+        ctx.enqueue_in(&mut tx, dies()).await?;
+        ctx.complete_in(&mut tx, None).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+#[test]
+fn every_enqueue_path_of_a_scheduler_gives_the_kinds_attempts_and_priority() {
+    run_in_system(within(60, "kind policies on every enqueue path", async {
+        let db = TestDb::with_options("rt_policy_paths", StoreOptions::default(), POOL).await;
+        let strict = Strict::default();
+        let s = Scheduler::builder(db.pool.clone(), slow_config(&db))
+            .register(strict.clone())
+            .register(Chain {
+                pool: db.pool.clone(),
+            })
+            .periodic(leasehold::Periodic::every("strict", Duration::from_secs(2), dies()).unwrap())
+            .start()
+            .await
+            .unwrap();
+        // The handle's store (one job, and one by COPY), and a handler's follow-ups.
+        s.store().enqueue(dies()).await.unwrap();
+        s.store().enqueue_copy(vec![dies()]).await.unwrap();
+        let chain = s
+            .enqueue_job(NewJob::from_json("chain", serde_json::json!({})))
+            .await
+            .unwrap();
+        let first_fire = || async {
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT job_id FROM {} WHERE name = 'strict' ORDER BY fire_at LIMIT 1",
+                db.table("periodic_fires")
+            ))
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+        };
+        wait_until(15, "a periodic fire and the chain's follow-ups", || async {
+            first_fire().await.is_some() && db.state_of(chain).await == "done"
+        })
+        .await;
+        let rows: Vec<(i64, i32, i16)> = sqlx::query_as(&format!(
+            "SELECT id, max_attempts, priority FROM {} WHERE kind = 'strict' ORDER BY id",
+            db.table("jobs")
+        ))
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert!(rows.len() >= 5, "{rows:?}");
+        for (id, attempts, priority) in &rows {
+            assert_eq!(
+                (*attempts, *priority),
+                (2, -3),
+                "job {id} of kind strict: its kind's attempts and priority ({rows:?})"
+            );
+        }
+        // The periodic job dies after its kind's two attempts; an operator's retry runs
+        // it from a fresh count, with the same two attempts.
+        let fired = leasehold::JobId(first_fire().await.unwrap());
+        wait_until(15, "the periodic job dead", || async {
+            db.state_of(fired).await == "dead"
+        })
+        .await;
+        s.store()
+            .act(fired, &leasehold::store::Action::Retry, "test")
+            .await
+            .unwrap();
+        wait_until(15, "the retried job dead again", || async {
+            db.state_of(fired).await == "dead" && runs_of(&strict.0, fired).len() == 4
+        })
+        .await;
+        let job = s.store().job(fired).await.unwrap();
+        assert_eq!((job.attempts, job.max_attempts, job.priority), (2, 2, -3));
+        s.shutdown().await.unwrap();
+        db.drop().await;
+    }))
+}

@@ -3,19 +3,24 @@
 //! # Lifecycle
 //! Started with the scheduler when it has schedules, on the scheduler's arbiter,
 //! writing through the scheduler's writer pool. Every [`TICK`] it looks at each schedule whose
-//! next fire time (as the last look computed it) has come, in one short transaction per
-//! schedule (`Store::fire_due`); a schedule another process is firing is looked at again
-//! at the next tick. Stops on [`super::Stop`].
+//! wait has passed, in one short transaction per schedule (`Store::fire_due`); a
+//! schedule another process is firing is looked at again at the next tick. Stops on
+//! [`super::Stop`].
+//!
+//! # Clocks
+//! The look decides by the database's clock and answers how long until the next fire
+//! time; the runner waits that long on the monotonic clock. It never compares a fire
+//! time with the host's wall clock, so a host clock ahead of or behind the database's
+//! changes nothing.
 //!
 //! # Failure
 //! A failed look is counted and retried at the next tick: the fire times stay due, and
 //! their rows make a retry enqueue each of them once.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use chrono::{DateTime, Utc};
 
 use crate::metrics::Metrics;
 use crate::periodic::Periodic;
@@ -27,8 +32,8 @@ pub(crate) const TICK: Duration = Duration::from_millis(200);
 
 struct Slot {
     periodic: Periodic,
-    /// When to look next; `None`: at the next tick.
-    next: Option<DateTime<Utc>>,
+    /// When to look next, on the monotonic clock; `None`: at the next tick.
+    next: Option<Instant>,
     looking: bool,
 }
 
@@ -55,7 +60,7 @@ impl PeriodicRunner {
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
-        let now = Utc::now();
+        let now = Instant::now();
         for i in 0..self.slots.len() {
             let slot = &mut self.slots[i];
             if slot.looking || slot.next.is_some_and(|t| t > now) {
@@ -71,7 +76,7 @@ impl PeriodicRunner {
                         slot.looking = false;
                         match res {
                             Ok(fired) => {
-                                slot.next = fired.next;
+                                slot.next = fired.wait.map(|w| Instant::now() + w);
                                 act.metrics
                                     .add(|c| &c.periodic_enqueued, fired.enqueued.len() as u64);
                                 for (at, job, late) in fired.enqueued {

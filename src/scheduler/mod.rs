@@ -207,16 +207,10 @@ impl Scheduler {
         if self.core.stop_begun() || env.stop_claiming.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
-        let Some(handler) = env.registry.get(&job.kind) else {
+        // The kind's policy is applied by the store (`Store::with_kind_policies`), as on
+        // every enqueue path of the scheduler.
+        if env.registry.get(&job.kind).is_none() {
             return Err(Error::UnknownKind(job.kind.clone()));
-        };
-        // The kind's policy where the job does not set its own (priority 0 is unset).
-        let policy = handler.policy();
-        if job.max_attempts.is_none() {
-            job.max_attempts = policy.max_attempts;
-        }
-        if job.priority == 0 {
-            job.priority = policy.priority.unwrap_or(0);
         }
         let queues = &env.config.queues;
         match &job.queue {

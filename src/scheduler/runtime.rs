@@ -209,7 +209,10 @@ pub(super) async fn start(
         });
     }
     check_policies(&config, &registry)?;
-    let host_store = Store::for_config(pool.clone(), &config)?;
+    // Every store of the scheduler is made from this one, so each enqueue it makes
+    // (through the handle, a periodic fire, a handler's follow-up) gets the kind's policy.
+    let host_store =
+        Store::for_config(pool.clone(), &config)?.with_kind_policies(registry.policies());
     host_store.migrate().await?;
     let owner = OwnerId::generate();
     let (handler_runtime, handlers) = match config.handler_threads {

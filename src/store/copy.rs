@@ -163,7 +163,7 @@ impl Store {
         encoded: &mut Vec<u8>,
         buf: &mut Vec<u8>,
     ) -> Result<()> {
-        let max_attempts = self.check_job(job, encoded)?;
+        let (max_attempts, priority) = self.check_job(job, encoded)?;
         let available_at = match (job.run_at, job.delay) {
             (Some(at), _) => at,
             (None, Some(delay)) => chrono::Duration::from_std(delay)
@@ -179,7 +179,7 @@ impl Store {
         buf.push(b'\t');
         push_text(buf, job.kind.as_bytes());
         // Writing into a Vec cannot fail.
-        let _ = write!(buf, "\t{}\tpending\t", job.priority);
+        let _ = write!(buf, "\t{priority}\tpending\t");
         push_text(buf, encoded);
         let blocks = if job.dead_key_policy == DeadKeyPolicy::Block {
             't'

@@ -87,6 +87,7 @@ pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(100 * 
 #[derive(Clone, Copy)]
 struct Checked {
     max_attempts: i32,
+    priority: i16,
     /// Bytes of the payload's JSON encoding.
     payload_bytes: i32,
 }
@@ -112,17 +113,26 @@ struct Columns {
 impl Store {
     /// The checks every enqueue path makes (one statement, many, or COPY), before the
     /// job is written. The payload's JSON encoding, as sized against the cap, is left in
-    /// `encoded` (cleared first); returns the job's max attempts.
-    pub(super) fn check_job(&self, job: &NewJob, encoded: &mut Vec<u8>) -> Result<i32> {
+    /// `encoded` (cleared first); returns the job's max attempts and priority: its own,
+    /// else its kind's policy where this store knows it (see [`Store::kind_policy`]),
+    /// else the store's default.
+    pub(super) fn check_job(&self, job: &NewJob, encoded: &mut Vec<u8>) -> Result<(i32, i16)> {
         check_name("queue", job.queue_name())?;
         check_name("kind", &job.kind)?;
         if let Some(key) = &job.key {
             check_name("key", key)?;
         }
         super::unique::check_unique(job)?;
+        let policy = self.kind_policy(&job.kind);
         let max_attempts = job
             .max_attempts
+            .or(policy.and_then(|p| p.max_attempts))
             .unwrap_or(self.options().default_max_attempts);
+        // A priority of 0, the default, counts as not set.
+        let priority = match job.priority {
+            0 => policy.and_then(|p| p.priority).unwrap_or(0),
+            own => own,
+        };
         if max_attempts < 1 {
             return Err(Error::InvalidInput {
                 field: "max_attempts",
@@ -165,7 +175,7 @@ impl Store {
                 });
             }
         }
-        Ok(max_attempts)
+        Ok((max_attempts, priority))
     }
 
     /// [`Store::check_job`] of every job, before any statement: each job's max attempts
@@ -174,9 +184,10 @@ impl Store {
         let mut encoded = Vec::new();
         jobs.iter()
             .map(|job| {
-                let max_attempts = self.check_job(job, &mut encoded)?;
+                let (max_attempts, priority) = self.check_job(job, &mut encoded)?;
                 Ok(Checked {
                     max_attempts,
+                    priority,
                     payload_bytes: encoded.len() as i32,
                 })
             })
@@ -196,7 +207,7 @@ impl Store {
             c.queue.push(job.queue_name().to_string());
             c.kind.push(job.kind);
             c.key.push(job.key);
-            c.priority.push(job.priority);
+            c.priority.push(checked.priority);
             c.run_at.push(job.run_at);
             c.delay.push(job.delay.map(secs));
             c.max_attempts.push(checked.max_attempts);

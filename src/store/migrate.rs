@@ -110,6 +110,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../../migrations/0018_schema_identity.sql"),
     ),
     (
+        19,
+        "the versioned specs of periodic schedules, for builds whose specs differ",
+        include_str!("../../migrations/0019_periodic_specs.sql"),
+    ),
+    (
         21,
         "every job's own effect identity, the first part of its effect keys",
         include_str!("../../migrations/0021_job_effect_identity.sql"),

@@ -40,6 +40,7 @@ mod unique;
 mod views;
 mod wakeups;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -155,6 +156,11 @@ struct Inner {
     /// sets for itself (`SET LOCAL`), where a session setting cannot be used. The
     /// scheduler's writer store has one (see `scheduler::pools::SidePools::writer`).
     lock_wait: Option<std::time::Duration>,
+    /// The attempts and priority of each kind a scheduler registered
+    /// ([`crate::KindPolicy`]), applied at every enqueue through this store and every
+    /// store made from it: the scheduler's own enqueues, its periodic fires, its
+    /// handlers' follow-ups ([`crate::JobContext::enqueue`]) and its handle's store.
+    kinds: Arc<HashMap<String, crate::KindPolicy>>,
 }
 
 impl Store {
@@ -170,6 +176,7 @@ impl Store {
                 sql,
                 wakeups: wakeups::Wakeups::default(),
                 lock_wait: None,
+                kinds: Arc::default(),
             }),
         })
     }
@@ -215,16 +222,27 @@ impl Store {
 
     /// The same store over another pool (the scheduler's maintenance connections).
     pub fn with_pool(&self, pool: PgPool) -> Store {
+        self.derived(pool, None, self.inner.kinds.clone())
+    }
+
+    /// A store sharing this one's schema, options and kinds' policies, with its own statements
+    /// and wake-ups.
+    fn derived(
+        &self,
+        pool: PgPool,
+        lock_wait: Option<Duration>,
+        kinds: Arc<HashMap<String, crate::KindPolicy>>,
+    ) -> Store {
         let i = &self.inner;
-        let sql = Statements::render(&i.schema);
         Store {
             inner: Arc::new(Inner {
                 pool,
                 schema: i.schema.clone(),
                 options: i.options.clone(),
-                sql,
+                sql: Statements::render(&i.schema),
                 wakeups: wakeups::Wakeups::default(),
-                lock_wait: None,
+                lock_wait,
+                kinds,
             }),
         }
     }
@@ -234,16 +252,25 @@ impl Store {
     /// Without a pooler it changes nothing: give the pool's sessions the setting.
     pub(crate) fn with_pooled_lock_wait(&self, wait: std::time::Duration) -> Store {
         let i = &self.inner;
-        Store {
-            inner: Arc::new(Inner {
-                pool: i.pool.clone(),
-                schema: i.schema.clone(),
-                options: i.options.clone(),
-                sql: Statements::render(&i.schema),
-                wakeups: wakeups::Wakeups::default(),
-                lock_wait: Some(wait),
-            }),
-        }
+        self.derived(i.pool.clone(), Some(wait), i.kinds.clone())
+    }
+
+    /// This store applying each kind's attempts and priority of `policies` to every job
+    /// it enqueues that sets none of its own (a scheduler's stores: see
+    /// [`crate::KindPolicy`]). One place decides a job's policy, so no enqueue path of a
+    /// scheduler can leave it out.
+    pub(crate) fn with_kind_policies(&self, policies: Vec<(String, crate::KindPolicy)>) -> Store {
+        let i = &self.inner;
+        self.derived(
+            i.pool.clone(),
+            i.lock_wait,
+            Arc::new(policies.into_iter().collect()),
+        )
+    }
+
+    /// The policy of `kind` this store applies at enqueue, if it knows one.
+    pub(crate) fn kind_policy(&self, kind: &str) -> Option<&crate::KindPolicy> {
+        self.inner.kinds.get(kind)
     }
 
     /// Begin a transaction on `conn`: behind a transaction pooler, with this store's
