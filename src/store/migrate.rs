@@ -109,10 +109,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "the schema's identity, the first part of every effect key",
         include_str!("../../migrations/0018_schema_identity.sql"),
     ),
+    (
+        20,
+        "retention bounded by what is due: done and cancelled jobs by when they may go, keys whose jobs retention deleted",
+        include_str!("../../migrations/0020_bounded_retention.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 18;
+pub const SCHEMA_VERSION: i32 = 20;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";
