@@ -12,16 +12,33 @@ use sqlx::PgPool;
 
 const WEEK: Duration = Duration::from_secs(7 * 24 * 3600);
 
-async fn exec(db: &TestDb, sql: &str) {
+/// Run `sql` as the owner, on `pool` (the measured store's, so what the setup reads is
+/// flushed with its figures before the pass is measured) or the test's owner pool.
+async fn exec_on(db: &TestDb, pool: Option<&PgPool>, sql: &str) {
     let sql = sql.replace("{s}", &format!("\"{}\"", db.schema));
-    sqlx::raw_sql(&sql).execute(&db.owner).await.unwrap();
+    sqlx::raw_sql(&sql)
+        .execute(pool.unwrap_or(&db.owner))
+        .await
+        .unwrap();
+}
+
+async fn exec(db: &TestDb, sql: &str) {
+    exec_on(db, None, sql).await
 }
 
 /// `n` done jobs of default/noop finished `ago` (an interval), keyed `key_expr` (a SQL
 /// expression of `g`, or NULL), with one history row each.
-async fn finished_jobs(db: &TestDb, n: i64, ago: &str, key_expr: &str, seq_expr: &str) {
-    exec(
+async fn finished_jobs(
+    db: &TestDb,
+    pool: &PgPool,
+    n: i64,
+    ago: &str,
+    key_expr: &str,
+    seq_expr: &str,
+) {
+    exec_on(
         db,
+        Some(pool),
         &format!(
             "INSERT INTO {{s}}.jobs (queue, kind, state, payload, payload_bytes, max_attempts,
                                      job_key, key_seq, finished_at, created_at)
@@ -69,12 +86,14 @@ async fn rows_read(db: &TestDb, pool: &PgPool, table: &str) -> i64 {
 async fn a_pass_with_nothing_due_reads_neither_the_history_nor_the_ledger() {
     bounded(async {
         let db = TestDb::new("ret_size_nothing_due").await;
+        let (store, pool) = measured_store(&db, "pruner").await;
         // 300,000 jobs finished an hour ago, 2,000 dead letters finished a month ago (never
         // deleted), 100,000 ledger rows kept for 30 days more: nothing is due under a
         // week's retention.
-        finished_jobs(&db, 300_000, "1 hour", "NULL", "NULL").await;
-        exec(
+        finished_jobs(&db, &pool, 300_000, "1 hour", "NULL", "NULL").await;
+        exec_on(
             &db,
+            Some(&pool),
             "INSERT INTO {s}.jobs (queue, kind, state, payload, payload_bytes, max_attempts,
                                    finished_at, last_error)
              SELECT 'default', 'noop', 'dead', '{}', 2, 1, now() - interval '30 days', 'gave up'
@@ -84,7 +103,6 @@ async fn a_pass_with_nothing_due_reads_neither_the_history_nor_the_ledger() {
              FROM generate_series(1, 100000) g",
         )
         .await;
-        let (store, pool) = measured_store(&db, "pruner").await;
         let (jobs_before, effects_before) = (
             rows_read(&db, &pool, "jobs").await,
             rows_read(&db, &pool, "effects").await,
@@ -135,10 +153,12 @@ async fn enqueue_time(store: &Store, key: &str, secs: u64) -> (Duration, leaseho
 async fn idle_key_rows_go_by_their_own_keys_and_keyed_enqueues_answer_during_the_pass() {
     bounded(async {
         let db = TestDb::new("ret_size_keys").await;
+        let (pruner, pool) = measured_store(&db, "pruner").await;
         // 200,000 jobs over 50,000 keys finished an hour ago (kept), and 1,000 keys whose
         // one job finished 8 days ago (due): their rows go once the job has.
-        finished_jobs(&db, 200_000, "1 hour", "'kept-' || (g % 50000)", "1 + g / 50000").await;
-        finished_jobs(&db, 1_000, "8 days", "'idle-' || g", "1").await;
+        let kept = ("'kept-' || (g % 50000)", "1 + g / 50000");
+        finished_jobs(&db, &pool, 200_000, "1 hour", kept.0, kept.1).await;
+        finished_jobs(&db, &pool, 1_000, "8 days", "'idle-' || g", "1").await;
         exec(
             &db,
             "INSERT INTO {s}.job_keys (queue, job_key, next_seq, open_jobs)
@@ -153,7 +173,6 @@ async fn idle_key_rows_go_by_their_own_keys_and_keyed_enqueues_answer_during_the
              FOR EACH ROW EXECUTE FUNCTION {s}.slow_key_delete();",
         )
         .await;
-        let (pruner, pool) = measured_store(&db, "pruner").await;
         let before = rows_read(&db, &pool, "jobs").await;
         let started = Instant::now();
         let prune = tokio::spawn(async move { pruner.prune(WEEK, 10_000).await });
