@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use leasehold::store::PruneOptions;
 use leasehold::{JobState, Store, StoreOptions};
 use sqlx::PgPool;
 
@@ -339,6 +340,82 @@ async fn a_key_pass_skips_a_slot_a_host_transaction_enqueued_into_and_never_wait
         assert_eq!(report.keys, 1, "{report:?}");
         let id = db.store.enqueue(keyed("k", "acct", 2)).await.unwrap();
         assert!(db.store.job(id).await.unwrap().key_seq > Some(1));
+        db.drop().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_that_hits_its_statement_timeout_shrinks_its_batch_in_every_mode() {
+    bounded(async {
+        for pooled in [false, true] {
+            let options = StoreOptions {
+                transaction_pooler: pooled,
+                ..StoreOptions::default()
+            };
+            let db = TestDb::with_options("ret_timeout", options, 4).await;
+            // 2,000 due jobs, each history row's deletion slowed: a statement of 2,000
+            // takes 2 s, far over the pass's 300 ms.
+            finished_jobs(&db, &db.owner, 2_000, "8 days", "NULL", "NULL").await;
+            exec(
+                &db,
+                "CREATE FUNCTION {s}.slow_event_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN PERFORM pg_sleep(0.001); RETURN OLD; END $$;
+                 CREATE TRIGGER slow_event_delete BEFORE DELETE ON {s}.job_events
+                 FOR EACH ROW EXECUTE FUNCTION {s}.slow_event_delete();",
+            )
+            .await;
+            let mut prune = PruneOptions::new(WEEK);
+            prune.batch = 2_000;
+            prune.statement_timeout = Duration::from_millis(300);
+            let report = within(30, "a pass that times out", db.store.prune_with(&prune))
+                .await
+                .unwrap_or_else(|e| panic!("pooled {pooled}: the pass failed: {e}"));
+            assert!(
+                report.timeouts >= 1 && report.batch < 2_000 && report.jobs > 0,
+                "pooled {pooled}: {report:?}"
+            );
+            assert_eq!(report.jobs as i64, 2_000 - db.count_where("jobs", "true").await);
+            // Passes at the smaller batch finish the work.
+            prune.batch = report.batch;
+            let mut left = db.count_where("jobs", "true").await;
+            while left > 0 {
+                let pass = within(30, "a pass", db.store.prune_with(&prune))
+                    .await
+                    .unwrap();
+                assert!(pass.jobs > 0, "pooled {pooled}: no progress: {pass:?}");
+                prune.batch = pass.batch;
+                left = db.count_where("jobs", "true").await;
+            }
+            db.drop().await;
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_prunes_a_schema_at_a_time_and_the_others_skip_without_waiting() {
+    bounded(async {
+        let db = TestDb::new("ret_one_pruner").await;
+        finished_jobs(&db, &db.owner, 10, "8 days", "NULL", "NULL").await;
+        // Another process's pass holds the schema's retention lock.
+        let mut other = db.raw_conn("other").await;
+        sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+        let locked: bool = sqlx::query_scalar(
+            "SELECT pg_try_advisory_xact_lock(hashtext('leasehold.retention'), hashtext($1))",
+        )
+        .bind(&db.schema)
+        .fetch_one(&mut other)
+        .await
+        .unwrap();
+        assert!(locked);
+        let report = within(5, "a pass while another prunes", db.store.prune(WEEK, 100))
+            .await
+            .unwrap();
+        assert!(report.skipped && report.deleted() == 0, "{report:?}");
+        sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+        let report = db.store.prune(WEEK, 100).await.unwrap();
+        assert_eq!((report.skipped, report.jobs), (false, 10), "{report:?}");
         db.drop().await;
     })
     .await

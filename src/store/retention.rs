@@ -439,21 +439,24 @@ impl Store {
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };
-        let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(self.on(&mut tx))
-            .await?;
-        let row = sqlx::query(&self.sql().prune_jobs)
-            .bind(now)
-            .bind(keep)
-            .bind(batch)
-            .fetch_one(self.on(&mut tx))
-            .await?;
-        tx.commit().await?;
-        Ok(Some((
-            now,
-            (row.try_get("read")?, row.try_get("jobs")?),
-            row.try_get("effects")?,
-        )))
+        let done = async {
+            let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+                .fetch_one(self.on(&mut tx))
+                .await?;
+            let row = sqlx::query(&self.sql().prune_jobs)
+                .bind(now)
+                .bind(keep)
+                .bind(batch)
+                .fetch_one(self.on(&mut tx))
+                .await?;
+            Ok((
+                now,
+                (row.try_get("read")?, row.try_get("jobs")?),
+                row.try_get("effects")?,
+            ))
+        }
+        .await;
+        finish(tx, done).await.map(Some)
     }
 
     /// A statement of the form `(read, deleted)` over `$1` the clock, then `$2` the
@@ -470,13 +473,16 @@ impl Store {
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };
-        let mut query = sqlx::query(sql).bind(now);
-        if let Some(keep) = keep {
-            query = query.bind(keep);
+        let done = async {
+            let mut query = sqlx::query(sql).bind(now);
+            if let Some(keep) = keep {
+                query = query.bind(keep);
+            }
+            let row = query.bind(batch).fetch_one(self.on(&mut tx)).await?;
+            Ok((row.try_get("read")?, row.try_get("deleted")?))
         }
-        let row = query.bind(batch).fetch_one(self.on(&mut tx)).await?;
-        tx.commit().await?;
-        Ok(Some((row.try_get("read")?, row.try_get("deleted")?)))
+        .await;
+        finish(tx, done).await.map(Some)
     }
 
     /// The key pass: raise the floors its candidates need (a transaction of its own),
@@ -486,27 +492,50 @@ impl Store {
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };
-        let tops: Vec<(i32, i64)> = sqlx::query_as(&self.sql().prune_key_tops)
-            .bind(batch)
-            .fetch_all(self.on(&mut tx))
-            .await?;
-        if !tops.is_empty() {
-            let (slots, tops): (Vec<i32>, Vec<i64>) = tops.into_iter().unzip();
-            sqlx::query(&self.sql().raise_floors)
-                .bind(&slots)
-                .bind(&tops)
-                .execute(self.on(&mut tx))
+        let raised = async {
+            let tops: Vec<(i32, i64)> = sqlx::query_as(&self.sql().prune_key_tops)
+                .bind(batch)
+                .fetch_all(self.on(&mut tx))
                 .await?;
+            if !tops.is_empty() {
+                let (slots, tops): (Vec<i32>, Vec<i64>) = tops.into_iter().unzip();
+                sqlx::query(&self.sql().raise_floors)
+                    .bind(&slots)
+                    .bind(&tops)
+                    .execute(self.on(&mut tx))
+                    .await?;
+            }
+            Ok(())
         }
-        tx.commit().await?;
+        .await;
+        finish(tx, raised).await?;
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };
-        let row = sqlx::query(&self.sql().prune_keys)
-            .bind(batch)
-            .fetch_one(self.on(&mut tx))
-            .await?;
-        tx.commit().await?;
-        Ok(Some((row.try_get("read")?, row.try_get("deleted")?)))
+        let done = async {
+            let row = sqlx::query(&self.sql().prune_keys)
+                .bind(batch)
+                .fetch_one(self.on(&mut tx))
+                .await?;
+            Ok((row.try_get("read")?, row.try_get("deleted")?))
+        }
+        .await;
+        finish(tx, done).await.map(Some)
+    }
+}
+
+/// Commit `tx` when its statements succeeded; roll it back at once otherwise (a dropped
+/// transaction is rolled back only when its connection is next used, and until then it
+/// would hold the retention lock, and the next try would find it taken).
+async fn finish<T>(tx: Transaction<'_, Postgres>, done: Result<T>) -> Result<T> {
+    match done {
+        Ok(v) => {
+            tx.commit().await?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
     }
 }
