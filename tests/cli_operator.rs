@@ -316,7 +316,11 @@ async fn the_printed_migration_applied_by_hand_leaves_migrate_nothing_to_do() {
                 .unwrap()
                 .map(|e| e.unwrap().path())
                 .filter(|p| p.extension().is_some_and(|x| x == "sql"))
-                .map(|p| p.file_name().unwrap().to_str().unwrap()[..4].parse().unwrap())
+                .map(|p| {
+                    p.file_name().unwrap().to_str().unwrap()[..4]
+                        .parse()
+                        .unwrap()
+                })
                 .collect();
         shipped.sort();
         let newest = *shipped.last().unwrap();

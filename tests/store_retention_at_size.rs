@@ -144,9 +144,11 @@ async fn running(db: &TestDb, suffix: &str, marker: &str) -> bool {
 /// How long a keyed enqueue of `key` takes, at most `secs` (else the test fails).
 async fn enqueue_time(store: &Store, key: &str, secs: u64) -> (Duration, leasehold::JobId) {
     let started = Instant::now();
-    let id = within(secs, &format!("a keyed enqueue of {key} during a prune"), async {
-        store.enqueue(keyed("k", key, 1)).await.unwrap()
-    })
+    let id = within(
+        secs,
+        &format!("a keyed enqueue of {key} during a prune"),
+        async { store.enqueue(keyed("k", key, 1)).await.unwrap() },
+    )
     .await;
     (started.elapsed(), id)
 }
@@ -180,7 +182,10 @@ async fn idle_key_rows_go_by_their_own_keys_and_keyed_enqueues_answer_during_the
         let prune = tokio::spawn(async move { pruner.prune(WEEK, 10_000).await });
         within(30, "the key pass to start", async {
             while !running(&db, "pruner", "leasehold:prune_keys */").await {
-                assert!(!prune.is_finished(), "the prune ended before its key pass was seen");
+                assert!(
+                    !prune.is_finished(),
+                    "the prune ended before its key pass was seen"
+                );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
@@ -203,17 +208,27 @@ async fn idle_key_rows_go_by_their_own_keys_and_keyed_enqueues_answer_during_the
         );
         assert_eq!(report.jobs, 1_000, "{report:?}");
         assert_eq!(
-            db.count_where("job_keys", "job_key LIKE 'idle-%' AND job_key <> 'idle-500'")
-                .await,
+            db.count_where(
+                "job_keys",
+                "job_key LIKE 'idle-%' AND job_key <> 'idle-500'"
+            )
+            .await,
             0,
             "every idle key row but the one enqueued again went ({report:?}, {took:?})"
         );
-        assert_eq!(db.count_where("job_keys", "job_key LIKE 'kept-%'").await, 50_000);
+        assert_eq!(
+            db.count_where("job_keys", "job_key LIKE 'kept-%'").await,
+            50_000
+        );
         // The 1,000 due jobs and, per idle key, a probe or three: never the 200,000 kept.
         assert!(read < 20_000, "the pass read {read} job rows ({took:?})");
         // The key enqueued again continues above where it was.
         let rec = db.store.job(again).await.unwrap();
-        assert!(rec.key_seq > Some(1), "key_seq went back: {:?}", rec.key_seq);
+        assert!(
+            rec.key_seq > Some(1),
+            "key_seq went back: {:?}",
+            rec.key_seq
+        );
         assert_eq!(rec.state, JobState::Pending);
         db.drop().await;
     })
@@ -306,7 +321,10 @@ async fn a_key_enqueued_again_while_its_row_is_deleted_keeps_its_order_and_other
         let rec = db.store.job(id).await.unwrap();
         assert_eq!(rec.state, JobState::Pending, "the new job heads its key");
         let ran = run_key(&db, &w).await;
-        let acct: Vec<_> = ran.iter().filter(|j| j.key.as_deref() == Some("acct")).collect();
+        let acct: Vec<_> = ran
+            .iter()
+            .filter(|j| j.key.as_deref() == Some("acct"))
+            .collect();
         assert_eq!(acct.len(), 1);
         assert!(
             acct[0].key_seq > old.iter().map(|j| j.key_seq).max().unwrap(),
@@ -380,7 +398,10 @@ async fn a_pass_that_hits_its_statement_timeout_shrinks_its_batch_in_every_mode(
                 report.timeouts >= 1 && report.batch < 2_000 && report.jobs > 0,
                 "pooled {pooled}: {report:?}"
             );
-            assert_eq!(report.jobs as i64, 2_000 - db.count_where("jobs", "true").await);
+            assert_eq!(
+                report.jobs as i64,
+                2_000 - db.count_where("jobs", "true").await
+            );
             // Passes at the smaller batch finish the work.
             prune.batch = report.batch;
             let mut left = db.count_where("jobs", "true").await;

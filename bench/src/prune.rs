@@ -33,7 +33,10 @@ impl Run {
             let t = Instant::now();
             fill(&store, n).await;
             setup::checkpoint(&store).await;
-            say!("prune: {n} rows inserted in {:.1} s", t.elapsed().as_secs_f64());
+            say!(
+                "prune: {n} rows inserted in {:.1} s",
+                t.elapsed().as_secs_f64()
+            );
             let mut options = PruneOptions::new(WEEK);
             options.keys = true;
             for r in 0..self.runs {

@@ -11,9 +11,7 @@ use super::args::{Command, JobsArgs};
 use super::text::{age, shown_opt, since, table};
 use super::{show, Failure, Printed};
 use crate::job::{JobId, JobState};
-use crate::store::{
-    Action, JobFilter, PruneOptions, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION,
-};
+use crate::store::{Action, JobFilter, PruneOptions, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
 
 /// Run one command.
 pub(crate) async fn dispatch(store: &Store, command: &Command) -> Result<Printed, Failure> {

@@ -14,7 +14,6 @@
 //! cancelled, and if the owner is gone its lease expires and the reaper cancels it.
 //! Promoting the successor at once would let two attempts of one key run together.
 
-
 use sqlx::postgres::PgRow;
 use sqlx::{Acquire, PgConnection, Row};
 

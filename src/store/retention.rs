@@ -353,7 +353,10 @@ impl Store {
         report.read += read as u64;
         report.jobs = jobs as u64;
         report.effects = effects as u64;
-        for (sql, fires) in [(&self.sql().prune_effects, false), (&self.sql().prune_fires, true)] {
+        for (sql, fires) in [
+            (&self.sql().prune_effects, false),
+            (&self.sql().prune_fires, true),
+        ] {
             let Some((read, deleted)) = self
                 .shrinking(report, |store, batch| async move {
                     store
