@@ -263,17 +263,6 @@ async fn same_slot_key(db: &TestDb, key: &str) -> String {
     .unwrap()
 }
 
-async fn run_key(db: &TestDb, w: &leasehold::OwnerId) -> Vec<leasehold::ClaimedJob> {
-    let mut ran = Vec::new();
-    loop {
-        let mut got = db.store.claim(&claim_at(w, 1, far_future())).await.unwrap();
-        let Some(j) = got.pop() else { break };
-        db.store.complete(&j.fence(), None).await.unwrap();
-        ran.push(j);
-    }
-    ran
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_enqueued_again_while_its_row_is_deleted_keeps_its_order_and_others_never_wait() {
     bounded(async {
@@ -282,7 +271,7 @@ async fn a_key_enqueued_again_while_its_row_is_deleted_keeps_its_order_and_other
         for n in 1..=3 {
             db.store.enqueue(keyed("k", "acct", n)).await.unwrap();
         }
-        let old = run_key(&db, &w).await;
+        let old = run_all(&db, &w).await;
         assert_eq!(old.len(), 3);
         let gate: i64 = rand::random();
         pause_key_deletes_at(&db, gate).await;
@@ -320,7 +309,7 @@ async fn a_key_enqueued_again_while_its_row_is_deleted_keeps_its_order_and_other
         assert_eq!((report.jobs, report.keys), (3, 1), "{report:?}");
         let rec = db.store.job(id).await.unwrap();
         assert_eq!(rec.state, JobState::Pending, "the new job heads its key");
-        let ran = run_key(&db, &w).await;
+        let ran = run_all(&db, &w).await;
         let acct: Vec<_> = ran
             .iter()
             .filter(|j| j.key.as_deref() == Some("acct"))
@@ -343,7 +332,7 @@ async fn a_key_pass_skips_a_slot_a_host_transaction_enqueued_into_and_never_wait
         let db = TestDb::new("ret_key_host_tx").await;
         let w = owner("w");
         db.store.enqueue(keyed("k", "acct", 1)).await.unwrap();
-        run_key(&db, &w).await;
+        run_all(&db, &w).await;
         // A host transaction enqueues into another key of the slot, and stays open.
         let mate = same_slot_key(&db, "acct").await;
         let mut host = db.pool.begin().await.unwrap();

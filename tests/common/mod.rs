@@ -317,6 +317,22 @@ pub fn claim_at(owner: &OwnerId, limit: i64, at: DateTime<Utc>) -> ClaimRequest 
     req
 }
 
+/// A handler-like loop: claim whatever is claimable (as if at [`far_future`]), one at a
+/// time, complete it, until nothing is left. Returns what ran, in order.
+pub async fn run_all(db: &TestDb, w: &OwnerId) -> Vec<leasehold::ClaimedJob> {
+    let mut ran = Vec::new();
+    loop {
+        let mut got = db.store.claim(&claim_at(w, 1, far_future())).await.unwrap();
+        let Some(j) = got.pop() else { break };
+        assert_eq!(
+            db.store.complete(&j.fence(), None).await.unwrap(),
+            leasehold::CompleteOutcome::Completed
+        );
+        ran.push(j);
+    }
+    ran
+}
+
 /// Backoff without jitter: a retry is due exactly `secs` after the failure.
 pub fn fixed_backoff(secs: u64) -> Backoff {
     Backoff {
