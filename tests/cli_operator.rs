@@ -309,20 +309,7 @@ async fn the_printed_migration_applied_by_hand_leaves_migrate_nothing_to_do() {
     bounded(async {
         let db = TestDb::unmigrated("cli_migrate", Default::default(), 2).await;
         let script = ok(&db, &["migrate", "--print-sql"]).await;
-        // The versions shipped, from the files' names (`0020_name.sql`: version 20; the
-        // numbers need not be contiguous).
-        let mut shipped: Vec<i32> =
-            std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
-                .unwrap()
-                .map(|e| e.unwrap().path())
-                .filter(|p| p.extension().is_some_and(|x| x == "sql"))
-                .map(|p| {
-                    p.file_name().unwrap().to_str().unwrap()[..4]
-                        .parse()
-                        .unwrap()
-                })
-                .collect();
-        shipped.sort();
+        let shipped = shipped_versions();
         let newest = *shipped.last().unwrap();
         assert_eq!(
             script.matches("\n-- migration ").count(),
