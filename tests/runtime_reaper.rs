@@ -82,6 +82,13 @@ fn a_refused_heartbeat_never_stops_reaping_or_retention() {
                 == 0
         })
         .await;
+        // The pass's figures: it ran, read and deleted what was due (counted just after
+        // its commit).
+        wait_until(10, "the retention pass's figures", || async {
+            let c = scheduler.metrics().counters;
+            c.prune_passes >= 1 && c.prune_rows_deleted >= 1 && c.prune_rows_read >= 1
+        })
+        .await;
         let m = scheduler.metrics();
         assert!(
             m.counters.informational_write_failures >= 1,

@@ -47,19 +47,6 @@ async fn complete(db: &TestDb, j: &ClaimedJob) {
     );
 }
 
-/// A handler-like loop: claim whatever is claimable, one at a time, complete it, until
-/// nothing is left. Returns what ran, in order.
-async fn run_all(db: &TestDb, w: &OwnerId) -> Vec<ClaimedJob> {
-    let mut ran = Vec::new();
-    loop {
-        let mut got = db.store.claim(&claim_at(w, 1, far_future())).await.unwrap();
-        let Some(j) = got.pop() else { break };
-        complete(db, &j).await;
-        ran.push(j);
-    }
-    ran
-}
-
 async fn state(db: &TestDb, id: JobId) -> JobState {
     db.store.job(id).await.unwrap().state
 }

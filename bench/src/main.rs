@@ -6,14 +6,16 @@
 //!     cargo run --release -p leasehold-bench -- --quick   # smaller sizes, a smoke run (targets not judged)
 //!
 //! Other flags: `--runs N` (default 3; every figure is the median of N runs, printed
-//! with the spread), `--only ceiling,e2e,pooler,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,dashboard,peer`
+//! with the spread), `--only ceiling,e2e,pooler,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,dashboard,prune,peer`
 //! (`micro`: a statement-cost diagnostic; `trips`: what sending the raw ceiling's claim and
 //! completion as one statement instead of two buys, a diagnostic; `peer`: graphile_worker, the fastest peer, with its
 //! documented throughput recipe, each figure right after leasehold's matching run — unkeyed
 //! at concurrency 1 and 32, keyed, idle latency — see `bench/src/peer.rs`; `pooler`:
 //! through a PgBouncer in transaction mode that it starts, see `bench/src/pooler.rs`),
 //! `--pool N` (connections of the scheduler's pool, default 24), `--history` (write the
-//! `claimed`/`completed` history events, `StoreOptions::full_history`).
+//! `claimed`/`completed` history events, `StoreOptions::full_history`), `--prune-rows
+//! N,N,..` (the retained rows of the `prune` rows: default 10^5 and 10^6, 10^5 with
+//! `--quick`; 10^7 takes minutes to insert).
 //!
 //! Needs a PostgreSQL on 127.0.0.1:5432 that lets the current user in (or
 //! DATABASE_URL). It connects to the `postgres` database, creates `leasehold_bench` (or
@@ -56,6 +58,7 @@ mod latency;
 mod notify;
 mod peer;
 mod pooler;
+mod prune;
 mod report;
 mod sections;
 mod setup;
@@ -72,6 +75,7 @@ struct Args {
     pool: u32,
     history: bool,
     memory_child: Option<usize>,
+    prune_rows: Option<Vec<i64>>,
 }
 
 fn args() -> Args {
@@ -83,6 +87,7 @@ fn args() -> Args {
         pool: 24,
         history: false,
         memory_child: None,
+        prune_rows: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -101,6 +106,14 @@ fn args() -> Args {
                         .collect(),
                 )
             }
+            "--prune-rows" => {
+                a.prune_rows = Some(
+                    value("--prune-rows")
+                        .split(',')
+                        .map(|s| s.trim().parse().expect("--prune-rows N,N,..."))
+                        .collect(),
+                )
+            }
             "--memory-child" => {
                 a.memory_child = Some(value("--memory-child").parse().expect("--memory-child N"))
             }
@@ -115,7 +128,8 @@ fn args() -> Args {
 }
 
 const HELP: &str = "usage: bench [--json] [--quick] [--runs N] [--pool N] [--history] \
-[--only ceiling,e2e,pooler,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,dashboard,peer]";
+[--only ceiling,e2e,pooler,fresh,enqueue,notify,cpu,latency,keyed,hot,growth,memory,stats,dashboard,prune,peer] \
+[--prune-rows 100000,1000000,10000000]";
 
 #[actix::main]
 async fn main() {
@@ -210,6 +224,14 @@ async fn main() {
     }
     if want("dashboard") {
         run.dashboard().await;
+    }
+    if want("prune") {
+        let sizes = a.prune_rows.clone().unwrap_or(if a.quick {
+            vec![100_000]
+        } else {
+            vec![100_000, 1_000_000]
+        });
+        run.prune(&sizes).await;
     }
 
     if a.quick {

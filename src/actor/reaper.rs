@@ -7,9 +7,15 @@
 //! Runs on the maintenance arbiter with its own pool, every `reaper_interval`. With
 //! `retention` set it also prunes done and cancelled jobs (never dead ones: they are
 //! the dead-letter queue) and, every [`KEY_PRUNE_EVERY`] passes, key rows no job
-//! refers to any more. Any
+//! refers to any more. A retention pass costs what is due, and one process prunes a
+//! schema at a time (the others' passes are skipped: see `store::retention`). Any
 //! number of reapers, in any number of processes, may run at once: the store's reap is
 //! one guarded statement. It never consults the handler registry.
+//!
+//! A retention statement that hits its timeout is tried again with half the batch; the
+//! next pass starts from that smaller batch and doubles it back, pass by pass, up to
+//! [`PRUNE_BATCH`]. Each pass's figures (rows read, deleted, time, timeouts, skips) go
+//! to the metrics' `prune_*` counters, and to the log when it deleted something.
 //!
 //! Each pass also writes the scheduler's heartbeat (the live-schedulers table that
 //! `leasehold status` and the dashboard show); `Stop` deletes it.
@@ -29,13 +35,13 @@ use actix::prelude::*;
 use crate::error::{Error, Result};
 use crate::job::OwnerId;
 use crate::metrics::{MailboxMeter, Metrics};
-use crate::store::{Backoff, Heartbeat, ReapReport, Store};
+use crate::store::{Backoff, Heartbeat, PruneOptions, PruneReport, ReapReport, Store};
 
-/// Retention deletes at most this many rows of each kind per pass.
-const PRUNE_BATCH: i64 = 10_000;
+/// Retention deletes at most this many rows of each kind per statement.
+const PRUNE_BATCH: i64 = crate::store::DEFAULT_PRUNE_BATCH;
 
-/// Idle key rows are pruned every this many passes: finding them reads every idle key
-/// row (see `Store::prune_keys`), and they are small.
+/// Idle key rows are pruned every this many passes: their pass costs two transactions
+/// more, and key rows are small.
 const KEY_PRUNE_EVERY: u64 = 12;
 
 /// Run one reap pass (until no expired lease is left, in batches) and report.
@@ -52,6 +58,9 @@ pub(crate) struct Reaper {
     retention: Option<std::time::Duration>,
     /// Passes since idle key rows were last pruned (see [`KEY_PRUNE_EVERY`]).
     passes: u64,
+    /// The batch the next retention pass starts with (smaller than [`PRUNE_BATCH`] after
+    /// a statement timed out).
+    prune_batch: i64,
     heartbeat: Heartbeat,
     busy: bool,
     meter: Arc<MailboxMeter>,
@@ -79,6 +88,7 @@ impl Reaper {
             interval: config.reaper_interval,
             retention: config.retention,
             passes: 0,
+            prune_batch: PRUNE_BATCH,
             busy: false,
             meter: metrics.meter("reaper"),
             metrics,
@@ -93,14 +103,19 @@ impl Reaper {
         let batch = self.batch;
         let retention = self.retention;
         self.passes += 1;
-        let prune_keys = self.passes % KEY_PRUNE_EVERY == 1;
+        let prune = retention.map(|keep| {
+            let mut options = PruneOptions::new(keep);
+            options.batch = self.prune_batch;
+            options.keys = self.passes % KEY_PRUNE_EVERY == 1;
+            options
+        });
         let heartbeat = self.heartbeat.clone();
         async move {
             // Informational first, but never in the way: its error is only reported.
             let beat = store.heartbeat(&heartbeat).await;
             let reaped = reap_all(&store, &owner, &backoff, batch).await;
-            let pruned = match retention {
-                Some(keep) => Some(prune(&store, keep, prune_keys).await),
+            let pruned = match prune {
+                Some(options) => Some(store.prune_with(&options).await),
                 None => None,
             };
             (beat, reaped, pruned)
@@ -109,8 +124,10 @@ impl Reaper {
         .map(|(beat, reaped, pruned), act, _| {
             act.busy = false;
             act.metrics.informational_write(beat.err().as_ref());
-            if let Some(Err(e)) = &pruned {
-                act.pass_failed("retention", e);
+            match &pruned {
+                Some(Ok(report)) => act.pruned(report),
+                Some(Err(e)) => act.pass_failed("retention", e),
+                None => {}
             }
             match &reaped {
                 Ok(r) => act.metrics.add(
@@ -121,6 +138,46 @@ impl Reaper {
             }
             reaped
         })
+    }
+
+    /// A retention pass's figures into the metrics and the log; its batch carries to
+    /// the next pass, doubled back towards [`PRUNE_BATCH`].
+    fn pruned(&mut self, report: &PruneReport) {
+        let m = &self.metrics;
+        if report.skipped {
+            m.incr(|c| &c.prune_skipped);
+        } else {
+            m.incr(|c| &c.prune_passes);
+        }
+        m.add(|c| &c.prune_rows_read, report.read);
+        m.add(|c| &c.prune_rows_deleted, report.deleted());
+        m.add(|c| &c.prune_timeouts, u64::from(report.timeouts));
+        m.add(|c| &c.prune_micros, report.elapsed.as_micros() as u64);
+        self.prune_batch = if report.timeouts > 0 {
+            report.batch
+        } else {
+            report.batch.saturating_mul(2).min(PRUNE_BATCH)
+        };
+        if report.deleted() > 0 || report.timeouts > 0 {
+            tracing::info!(
+                jobs = report.jobs,
+                effects = report.effects,
+                keys = report.keys,
+                fires = report.fires,
+                read = report.read,
+                timeouts = report.timeouts,
+                batch = report.batch,
+                elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
+                "leasehold retention pruned"
+            );
+        } else {
+            tracing::debug!(
+                read = report.read,
+                skipped = report.skipped,
+                elapsed_ms = report.elapsed.as_secs_f64() * 1000.0,
+                "leasehold retention pass"
+            );
+        }
     }
 
     fn pass_failed(&self, what: &str, e: &Error) {
@@ -154,23 +211,6 @@ async fn reap_all(
             return Ok(total);
         }
     }
-}
-
-/// One retention pass: finished jobs past `keep`, and (when `keys`) idle key rows.
-async fn prune(store: &Store, keep: std::time::Duration, keys: bool) -> Result<()> {
-    let mut pruned = store.prune_jobs(keep, PRUNE_BATCH).await?;
-    if keys {
-        pruned.keys = store.prune_keys(PRUNE_BATCH).await?;
-    }
-    if pruned != Default::default() {
-        tracing::info!(
-            jobs = pruned.jobs,
-            effects = pruned.effects,
-            keys = pruned.keys,
-            "leasehold retention pruned"
-        );
-    }
-    Ok(())
 }
 
 impl Actor for Reaper {

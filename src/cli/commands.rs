@@ -11,7 +11,7 @@ use super::args::{Command, JobsArgs};
 use super::text::{age, shown_opt, since, table};
 use super::{show, Failure, Printed};
 use crate::job::{JobId, JobState};
-use crate::store::{Action, JobFilter, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
+use crate::store::{Action, JobFilter, PruneOptions, PruneReport, Store, MAX_PAGE, SCHEMA_VERSION};
 
 /// Run one command.
 pub(crate) async fn dispatch(store: &Store, command: &Command) -> Result<Printed, Failure> {
@@ -255,29 +255,38 @@ async fn migration_script(store: &Store) -> Result<Printed, Failure> {
 }
 
 /// Prune in batches until a pass deletes less than a batch of everything: one
-/// statement never holds a million row locks.
+/// statement never holds a million row locks. A statement that times out is tried
+/// again with half the batch (see `Store::prune_with`), and the passes after it keep
+/// the smaller batch. A pass skipped because another process is pruning ends the run.
 async fn prune(store: &Store, keep: Duration, batch: i64) -> Result<Printed, Failure> {
-    let batch = batch.max(1);
+    let mut options = PruneOptions::new(keep);
+    options.batch = batch.max(1);
     let mut total = PruneReport::default();
     loop {
-        let pass = store.prune(keep, batch).await?;
-        total.jobs += pass.jobs;
-        total.effects += pass.effects;
-        total.keys += pass.keys;
-        let full = [pass.jobs, pass.effects, pass.keys]
+        let pass = store.prune_with(&options).await?;
+        total.add(&pass);
+        options.batch = pass.batch;
+        let full = [pass.jobs, pass.effects, pass.keys, pass.fires]
             .iter()
-            .any(|&n| n as i64 >= batch);
-        if !full {
+            .any(|&n| n as i64 >= pass.batch);
+        if pass.skipped || !full {
             break;
         }
     }
+    let busy = if total.skipped {
+        " (another process was pruning: run again to finish)"
+    } else {
+        ""
+    };
     Ok(Printed {
         text: format!(
-            "pruned {} jobs that finished more than {} ago, {} expired effect records, {} idle keys\n",
+            "pruned {} jobs that finished more than {} ago, {} expired effect records, {} idle keys, \
+             {} fire records{busy}\n",
             total.jobs,
             humantime::format_duration(keep),
             total.effects,
-            total.keys
+            total.keys,
+            total.fires,
         ),
         json: serde_json::to_value(&total).map_err(encode)?,
     })

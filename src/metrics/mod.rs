@@ -196,6 +196,20 @@ counters! {
     results_refused,
     /// Expired leases this scheduler's reaper took back.
     reaped,
+    /// Retention passes this scheduler's reaper ran (each costs what was due).
+    prune_passes,
+    /// Retention passes skipped because another process was pruning the schema.
+    prune_skipped,
+    /// Candidate rows retention passes read (jobs and ledger rows found due, fire
+    /// records, keys whose jobs were deleted): 0 for a pass with nothing due.
+    prune_rows_read,
+    /// Rows retention passes deleted (jobs, ledger rows, key rows, fire records).
+    prune_rows_deleted,
+    /// Retention statements that hit their statement timeout (each tried again with half
+    /// the batch).
+    prune_timeouts,
+    /// Microseconds spent in retention passes.
+    prune_micros,
     /// Jobs given back at shutdown.
     released,
     /// Handler panics.

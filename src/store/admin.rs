@@ -1,5 +1,5 @@
-//! Operator actions (hold, release a hold, cancel, retry a dead job), job lookup with
-//! history, and the retention policy.
+//! Operator actions (hold, release a hold, cancel, retry a dead job), and job lookup with
+//! history. Retention is `retention.rs`.
 //!
 //! Each action is one short transaction that locks the key row (if any) before the job
 //! row, the order completions, failures and promotions use too, so they cannot
@@ -14,13 +14,11 @@
 //! cancelled, and if the owner is gone its lease expires and the reaper cancels it.
 //! Promoting the successor at once would let two attempts of one key run together.
 
-use std::time::Duration;
-
 use sqlx::postgres::PgRow;
 use sqlx::{Acquire, PgConnection, Row};
 
 use super::operator::OPERATOR;
-use super::{sanitize_error_text, secs, Store};
+use super::{sanitize_error_text, Store};
 use crate::error::{Error, Result};
 use crate::job::{Generation, JobEvent, JobId, JobRecord, JobState};
 
@@ -38,17 +36,6 @@ pub enum CancelOutcome {
     /// attempt ends (done if it completes, cancelled otherwise, or cancelled by the
     /// reaper when its lease expires); its key moves on only then.
     Requested,
-}
-
-/// What the retention policy deleted.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct PruneReport {
-    /// Done and cancelled jobs deleted, with their history and expiry records.
-    pub jobs: u64,
-    /// Effect-ledger rows deleted.
-    pub effects: u64,
-    /// Key rows deleted (no job referred to them any more).
-    pub keys: u64,
 }
 
 /// A job row for an operator. Any row can be shown: a payload or result that cannot be
@@ -482,128 +469,4 @@ impl Store {
             .fetch_one(self.on(&mut *conn))
             .await?)
     }
-
-    /// The retention policy: delete done and cancelled jobs (with their history and
-    /// expiry records) that finished more than `keep` ago, at most `limit` per call;
-    /// effect-ledger rows past their `keep_until` whose job is gone or done or
-    /// cancelled; and key rows no job refers to any more.
-    ///
-    /// Dead jobs are the dead-letter queue: never deleted here (an operator retries or
-    /// cancels them). Every condition is checked on the rows being deleted, under
-    /// their lock (`SKIP LOCKED`: prune never waits), so a job an operator retries at
-    /// the same moment is never deleted. A key row goes only when no job of its key is
-    /// left, and its slot's floor is raised to its `next_seq` first, so a key enqueued
-    /// again later continues its `key_seq` where it left off (see `key_floors`).
-    pub async fn prune(&self, keep: Duration, limit: i64) -> Result<PruneReport> {
-        let mut report = self.prune_jobs(keep, limit).await?;
-        report.keys = self.prune_keys(limit).await?;
-        Ok(report)
-    }
-
-    /// The jobs and effects half of [`Store::prune`] (the reaper runs it every pass).
-    pub(crate) async fn prune_jobs(&self, keep: Duration, limit: i64) -> Result<PruneReport> {
-        let jobs: i64 = sqlx::query_scalar(&self.sql().prune_jobs)
-            .bind(secs(keep))
-            .bind(limit)
-            .fetch_one(self.db())
-            .await?;
-        let effects: i64 = sqlx::query_scalar(&self.sql().prune_effects)
-            .bind(limit)
-            .fetch_one(self.db())
-            .await?;
-        // Periodic fire records past retention: a schedule never fires a time at or
-        // before its `last_fire_at`, so old records guard nothing.
-        sqlx::query(&self.schema().render(PRUNE_FIRES))
-            .bind(secs(keep))
-            .bind(limit)
-            .execute(self.db())
-            .await?;
-        Ok(PruneReport {
-            jobs: jobs as u64,
-            effects: effects as u64,
-            keys: 0,
-        })
-    }
-
-    /// The key half of [`Store::prune`]. It reads every idle key row, so the reaper runs
-    /// it less often than the rest (an index on idle keys would cost every keyed
-    /// enqueue and completion an index write instead).
-    pub(crate) async fn prune_keys(&self, limit: i64) -> Result<u64> {
-        let keys: i64 = sqlx::query_scalar(&self.sql().prune_keys)
-            .bind(limit)
-            .fetch_one(self.db())
-            .await?;
-        Ok(keys as u64)
-    }
 }
-
-pub(super) const PRUNE_JOBS: &str = r#"/* leasehold:prune_jobs */
-WITH cand AS (
-    SELECT id FROM {s}.jobs
-    WHERE finished_at < clock_timestamp() - make_interval(secs => $1)
-      AND state IN ('done', 'cancelled')
-      AND (unique_until IS NULL OR unique_until < clock_timestamp())
-    ORDER BY finished_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-), gone AS (
-    DELETE FROM {s}.jobs j USING cand
-    WHERE j.id = cand.id AND j.state IN ('done', 'cancelled')
-      AND j.finished_at < clock_timestamp() - make_interval(secs => $1)
-    RETURNING j.id
-), ev AS (
-    DELETE FROM {s}.job_events WHERE job_id IN (SELECT id FROM gone)
-), le AS (
-    DELETE FROM {s}.lease_expiries WHERE job_id IN (SELECT id FROM gone)
-)
-SELECT count(*) FROM gone"#;
-
-/// An effect outcome is kept while its job may run again: a dead job can be retried by
-/// an operator, and a retry must find what its earlier attempts did.
-const PRUNE_FIRES: &str = r#"/* leasehold:prune_periodic_fires */
-DELETE FROM {s}.periodic_fires f
-WHERE (f.name, f.fire_at) IN (
-    SELECT x.name, x.fire_at FROM {s}.periodic_fires x
-    WHERE x.enqueued_at < clock_timestamp() - make_interval(secs => $1)
-    ORDER BY x.enqueued_at
-    LIMIT $2)"#;
-
-pub(super) const PRUNE_EFFECTS: &str = r#"/* leasehold:prune_effects */
-WITH gone AS (
-    DELETE FROM {s}.effects e
-    WHERE e.effect_key IN (
-        SELECT x.effect_key FROM {s}.effects x
-        WHERE x.keep_until < clock_timestamp()
-          AND NOT EXISTS (SELECT 1 FROM {s}.jobs j
-                          WHERE j.id = x.job_id AND j.state NOT IN ('done', 'cancelled'))
-        LIMIT $1)
-    RETURNING 1
-)
-SELECT count(*) FROM gone"#;
-
-/// Key rows with no job left. The floors of the slots are locked first (`SKIP LOCKED`:
-/// a slot an enqueue holds is left for the next pass), so an enqueue that re-creates a
-/// deleted key reads the raised floor: it waits on the slot's lock until this commits.
-pub(super) const PRUNE_KEYS: &str = r#"/* leasehold:prune_keys */
-WITH slots AS MATERIALIZED (
-    SELECT slot FROM {s}.key_floors ORDER BY slot FOR UPDATE SKIP LOCKED
-), cand AS MATERIALIZED (
-    SELECT jk.queue, jk.job_key
-    FROM {s}.job_keys jk
-    WHERE jk.open_jobs = 0 AND __SLOT_JK__ IN (SELECT slot FROM slots)
-      AND NOT EXISTS (SELECT 1 FROM {s}.jobs j WHERE j.queue = jk.queue AND j.job_key = jk.job_key)
-    LIMIT $1
-    FOR UPDATE OF jk SKIP LOCKED
-), gone AS (
-    DELETE FROM {s}.job_keys jk USING cand
-    WHERE jk.queue = cand.queue AND jk.job_key = cand.job_key AND jk.open_jobs = 0
-      -- Again under the row's lock: a job of the key may have been enqueued and ended
-      -- since this statement's snapshot.
-      AND NOT EXISTS (SELECT 1 FROM {s}.jobs j WHERE j.queue = jk.queue AND j.job_key = jk.job_key)
-    RETURNING __SLOT_JK__ AS slot, jk.next_seq
-), raised AS (
-    UPDATE {s}.key_floors f SET floor = greatest(f.floor, g.top)
-    FROM (SELECT slot, max(next_seq) AS top FROM gone GROUP BY slot) g
-    WHERE f.slot = g.slot
-)
-SELECT count(*) FROM gone"#;

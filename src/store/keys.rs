@@ -47,6 +47,8 @@ WHERE jk.queue = d.queue AND jk.job_key = d.job_key AND all_locked.n >= 0"#;
 pub(super) const KEY_SLOT: &str = "(hashtext(queue || '/' || job_key) & 63)";
 /// [`KEY_SLOT`] of a row aliased `jk`.
 pub(super) const KEY_SLOT_JK: &str = "(hashtext(jk.queue || '/' || jk.job_key) & 63)";
+/// [`KEY_SLOT`] of a row aliased `m`.
+pub(super) const KEY_SLOT_M: &str = "(hashtext(m.queue || '/' || m.job_key) & 63)";
 
 /// The schema's `promote` function (migrations/0003_claim.sql), also called by keyed
 /// completions inside `complete_keyed`: one implementation of succession.

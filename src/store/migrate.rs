@@ -115,6 +115,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../../migrations/0019_periodic_specs.sql"),
     ),
     (
+        20,
+        "retention bounded by what is due: done and cancelled jobs by when they may go, keys whose jobs retention deleted",
+        include_str!("../../migrations/0020_bounded_retention.sql"),
+    ),
+    (
         21,
         "every job's own effect identity, the first part of its effect keys",
         include_str!("../../migrations/0021_job_effect_identity.sql"),

@@ -33,6 +33,7 @@ mod pause;
 mod periodic;
 mod progress;
 mod reap;
+mod retention;
 mod schedulers;
 mod schema;
 mod stats;
@@ -46,7 +47,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-pub use admin::{CancelOutcome, PruneReport};
+pub use admin::CancelOutcome;
 pub use claim::ClaimRequest;
 pub(crate) use complete::{KeyWait, KeyedItem};
 pub(crate) use effects::Lookup;
@@ -60,6 +61,9 @@ pub use operator::{Action, CANCEL_REQUESTED, OPERATOR};
 pub use pause::PausedQueue;
 pub use progress::MAX_PROGRESS_BYTES;
 pub use reap::{ReapReport, UNSTARTED_EXPIRIES_MAX};
+pub use retention::{
+    PruneOptions, PruneReport, DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_STATEMENT_TIMEOUT,
+};
 pub(crate) use schedulers::Heartbeat;
 pub use schedulers::LiveScheduler;
 pub use schema::Schema;
@@ -467,6 +471,9 @@ pub(crate) struct Statements {
     pub prune_jobs: String,
     pub prune_effects: String,
     pub prune_keys: String,
+    pub prune_fires: String,
+    pub prune_key_tops: String,
+    pub raise_floors: String,
     pub leave_keys: String,
     pub promote: String,
     pub reap: String,
@@ -492,9 +499,12 @@ impl Statements {
             fail: s.render(fail::FAIL),
             snooze: s.render(fail::SNOOZE),
             release: s.render(fail::RELEASE),
-            prune_jobs: s.render(admin::PRUNE_JOBS),
-            prune_effects: s.render(admin::PRUNE_EFFECTS),
-            prune_keys: s.render(&slots(admin::PRUNE_KEYS)),
+            prune_jobs: s.render(retention::PRUNE_JOBS),
+            prune_effects: s.render(retention::PRUNE_EFFECTS),
+            prune_keys: s.render(&slots(&retention::prune_keys())),
+            prune_fires: s.render(retention::PRUNE_FIRES),
+            prune_key_tops: s.render(&slots(&retention::prune_key_tops())),
+            raise_floors: s.render(retention::RAISE_FLOORS),
             leave_keys: s.render(keys::LEAVE_KEYS),
             promote: s.render(&claim::with_returned(keys::PROMOTE)),
             reap: s.render(reap::REAP),
@@ -509,6 +519,7 @@ impl Statements {
 fn slots(template: &str) -> String {
     template
         .replace("__SLOT_JK__", keys::KEY_SLOT_JK)
+        .replace("__SLOT_M__", keys::KEY_SLOT_M)
         .replace("__SLOT__", keys::KEY_SLOT)
 }
 

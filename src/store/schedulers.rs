@@ -44,7 +44,7 @@ pub(crate) struct Heartbeat {
 
 const BEAT: &str = r#"/* leasehold:heartbeat */
 WITH gone AS (
-    DELETE FROM {s}.schedulers WHERE last_seen < clock_timestamp() - interval '1 hour'
+    DELETE FROM {s}.schedulers WHERE last_seen < now() - interval '1 hour'
 )
 INSERT INTO {s}.schedulers (owner, host, pid, queues, concurrency, heartbeat_secs)
 VALUES ($1, $2, $3, $4, $5, $6)

@@ -254,6 +254,25 @@ async fn connect_pool(options: PgConnectOptions, app_name: &str, size: u32) -> P
         .expect("connect to test database")
 }
 
+/// The schema versions this build ships, from the migrations' file names (`0020_name.sql`
+/// is version 20), ascending. They need not be contiguous: each line of the schema's
+/// history takes its own number.
+pub fn shipped_versions() -> Vec<i32> {
+    let mut shipped: Vec<i32> =
+        std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "sql"))
+            .map(|p| {
+                p.file_name().unwrap().to_str().unwrap()[..4]
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+    shipped.sort();
+    shipped
+}
+
 /// Job factory: a job of `kind` with a small JSON payload.
 pub fn job(kind: &str) -> NewJob {
     NewJob::from_json(kind, serde_json::json!({ "n": 1 }))
@@ -315,6 +334,22 @@ pub fn claim_at(owner: &OwnerId, limit: i64, at: DateTime<Utc>) -> ClaimRequest 
     let mut req = claim_req(owner, limit);
     req.at = Some(at);
     req
+}
+
+/// A handler-like loop: claim whatever is claimable (as if at [`far_future`]), one at a
+/// time, complete it, until nothing is left. Returns what ran, in order.
+pub async fn run_all(db: &TestDb, w: &OwnerId) -> Vec<leasehold::ClaimedJob> {
+    let mut ran = Vec::new();
+    loop {
+        let mut got = db.store.claim(&claim_at(w, 1, far_future())).await.unwrap();
+        let Some(j) = got.pop() else { break };
+        assert_eq!(
+            db.store.complete(&j.fence(), None).await.unwrap(),
+            leasehold::CompleteOutcome::Completed
+        );
+        ran.push(j);
+    }
+    ran
 }
 
 /// Backoff without jitter: a retry is due exactly `secs` after the failure.
