@@ -54,6 +54,11 @@ pub async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<J
                 !held.is_empty(),
                 format!("held {held:?}; release after {}ms", p.dur_ms),
             );
+            // Nothing held: no release to wait for, and the nemesis tries the kind again
+            // later (it only retries a fault that returns no task).
+            if held.is_empty() {
+                return None;
+            }
             let h2 = h.clone();
             let after = p.dur_ms;
             Some(tokio::spawn(async move {
@@ -68,16 +73,14 @@ pub async fn inject(h: &Arc<Harness>, p: &Planned, rng: &mut StdRng) -> Option<J
                     .await;
                     released += matches!(r, Ok(Ok(()))) as u32;
                 }
-                if !held.is_empty() {
-                    record(
-                        &h2,
-                        "manual_release",
-                        "jobs".into(),
-                        start,
-                        released > 0,
-                        format!("released {released} of {}", held.len()),
-                    );
-                }
+                record(
+                    &h2,
+                    "manual_release",
+                    "jobs".into(),
+                    start,
+                    released > 0,
+                    format!("released {released} of {}", held.len()),
+                );
             }))
         }
         "manual_cancel" => {
