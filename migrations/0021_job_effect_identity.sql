@@ -16,8 +16,8 @@
 --
 -- The claim, and the promotion that claims a key's next job in the transaction that ends
 -- its head, return the identity with the job. A changed result type needs the functions
--- made again; the older `claim` keeps its own columns for a scheduler of a build before
--- migration 16 still running during a rolling deploy.
+-- made again; the older `claim` keeps its own columns, for a scheduler of a build older than
+-- version 16 still running during a rolling deploy.
 DROP FUNCTION __SCHEMA__.promote(text[], text[], boolean[], text, text[], float8, boolean, text);
 DROP FUNCTION __SCHEMA__.complete_keyed(bigint[], bigint[], jsonb[], text[], text[], boolean[], boolean, text, text[], float8, boolean, text);
 DROP FUNCTION __SCHEMA__.claim(text[], text[], integer, bigint, boolean, text, timestamptz, float8, boolean);
@@ -165,7 +165,7 @@ $fn$;
 COMMENT ON FUNCTION __SCHEMA__.claim_capped(text[], text[], integer, bigint, boolean, text, timestamptz, float8, boolean, text[], integer[]) IS
     'Claim up to p_limit due jobs of p_queues (and p_kinds, NULL: any) within p_budget payload bytes for p_owner, leased for p_lease_secs from p_at (NULL: now), at most p_caps[i] of queue p_capped[i] (NULL: no caps). Returns each job''s effect_identity too. See src/store/claim.rs and migrations/0021_job_effect_identity.sql.';
 
--- Kept for a scheduler of a build before migration 16 still running during a rolling
+-- Kept for a scheduler of a build older than version 16 still running during a rolling
 -- deploy: the claim without caps, with the columns it always returned.
 CREATE FUNCTION __SCHEMA__.claim(
     p_queues text[],
