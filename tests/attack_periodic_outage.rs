@@ -25,7 +25,6 @@ fn at(s: &str) -> DateTime<Utc> {
     s.parse().unwrap()
 }
 
-#[ignore = "open (issue 32 note): a look stalled past the grace (a lock, a failover) judges a fire time missed while processes run"]
 #[test]
 fn a_nightly_time_whose_look_waited_five_seconds_on_a_table_lock_still_fires_once() {
     run_in_system(within(60, "look held by a lock", async {

@@ -35,6 +35,8 @@ struct Slot {
     /// When to look next, on the monotonic clock; `None`: at the next tick.
     next: Option<Instant>,
     looking: bool,
+    /// This process's last look at the schedule (database time): see `plan`.
+    looked: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 pub(crate) struct PeriodicRunner {
@@ -53,6 +55,7 @@ impl PeriodicRunner {
                     periodic,
                     next: None,
                     looking: false,
+                    looked: None,
                 })
                 .collect(),
             metrics,
@@ -67,9 +70,10 @@ impl PeriodicRunner {
                 continue;
             }
             slot.looking = true;
-            let (store, periodic) = (self.store.clone(), slot.periodic.clone());
+            let (store, periodic, looked) =
+                (self.store.clone(), slot.periodic.clone(), slot.looked);
             ctx.spawn(
-                async move { store.fire_due(&periodic).await }
+                async move { store.fire_due(&periodic, looked).await }
                     .into_actor(self)
                     .map(move |res, act, _| {
                         let slot = &mut act.slots[i];
@@ -77,6 +81,9 @@ impl PeriodicRunner {
                         match res {
                             Ok(fired) => {
                                 slot.next = fired.wait.map(|w| Instant::now() + w);
+                                if fired.now.is_some() {
+                                    slot.looked = fired.now;
+                                }
                                 act.metrics
                                     .add(|c| &c.periodic_enqueued, fired.enqueued.len() as u64);
                                 for (at, job, late) in fired.enqueued {

@@ -65,6 +65,8 @@ pub(crate) struct Fired {
     /// time, at most [`LOOK_AT_LEAST_EVERY`]. `None` when another process held the
     /// schedule (look again soon).
     pub wait: Option<Duration>,
+    /// The database's time of this look; `None` when another process held the schedule.
+    pub now: Option<DateTime<Utc>>,
 }
 
 /// The schedule's row as the look found it, under its lock.
@@ -79,7 +81,15 @@ impl Store {
     /// Enqueue the due fire times of `p` (see [`crate::periodic`]), in one transaction
     /// that holds the schedule's row; nothing when another process holds it.
     #[tracing::instrument(name = "leasehold.periodic", level = "debug", skip_all, fields(name = p.name()))]
-    pub(crate) async fn fire_due(&self, p: &Periodic) -> Result<Fired> {
+    ///
+    /// `looked`: when this process last looked at the schedule (database time, from
+    /// [`Fired::now`]), so a look that comes late while the process runs does not take
+    /// the times it was waiting for as missed (see `periodic::plan`).
+    pub(crate) async fn fire_due(
+        &self,
+        p: &Periodic,
+        looked: Option<DateTime<Utc>>,
+    ) -> Result<Fired> {
         let spec = p.spec();
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
@@ -106,6 +116,7 @@ impl Store {
             return Ok(Fired {
                 enqueued: Vec::new(),
                 wait: Some(LOOK_AT_LEAST_EVERY),
+                now: Some(row.now),
             });
         };
         let due = plan(
@@ -114,6 +125,7 @@ impl Store {
             p.grace_period(),
             row.last,
             row.now,
+            looked,
         );
         let mut enqueued = Vec::new();
         for (t, late) in due
@@ -158,6 +170,7 @@ impl Store {
         Ok(Fired {
             enqueued,
             wait: Some(wait),
+            now: Some(row.now),
         })
     }
 

@@ -195,7 +195,11 @@ fn neighbours(c: &Input, poison: &HashSet<i64>, f: &mut Findings, s: &mut Stats)
                 && b.end == End::Logged("ok".into())
                 && (b.end_mono - a.end_mono).abs() <= BATCH_WINDOW_NS
         }) {
-            judge((b.job, b.gen), Some(a.w), a.end_us - 250_000, a.job, f);
+            // From the neighbour's own start: a fault while it ran (a stop that let its
+            // lease pass before its handler returned beside the poison job's) explains
+            // its loss as much as one after.
+            let from = (a.end_us - 250_000).min(b.start_us);
+            judge((b.job, b.gen), Some(a.w), from, a.job, f);
         }
     }
 }
