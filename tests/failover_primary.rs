@@ -416,8 +416,10 @@ fn a_failover_to_an_asynchronous_standby_loses_what_it_had_not_received() {
         let proxy = Proxy::start(pair.primary.port).await;
         let c = schedulers(&proxy).await;
         let mut seqs = BTreeMap::new();
-        let replicated = enqueue(&c.a, 10, 60, &mut seqs).await;
-        assert_eq!(replicated.len(), 60);
+        // Enough that some are still running when the standby stops receiving: their
+        // completions are the ones the failover loses.
+        let replicated = enqueue(&c.a, 10, 200, &mut seqs).await;
+        assert_eq!(replicated.len(), 200);
         wait_for(60, "the first jobs to run", || ok_runs(&c.runs) >= 20).await;
 
         // The standby stops receiving: from here on, what the primary acknowledges is
