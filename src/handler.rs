@@ -114,7 +114,7 @@ pub trait Handler: Send + Sync + 'static {
 ///
 /// `max_attempts` and `priority` are applied to every job of the kind that a
 /// [`Scheduler`](crate::Scheduler) registering the kind enqueues, unless the job sets
-/// its own (a priority of 0, the default, counts as not set): through the handle, its
+/// its own (`NewJob::priority` of `None`; an explicit `Some(0)` is its own): through the handle, its
 /// [`Scheduler::store`](crate::Scheduler::store), its periodic schedules, and its
 /// handlers' follow-ups ([`JobContext::enqueue`](crate::JobContext::enqueue)). A
 /// producer enqueueing through a bare [`Store`](crate::Store) of its own gets the

@@ -222,8 +222,10 @@ pub struct NewJob {
     /// time, in enqueue (commit) order. `None`: no ordering. Any text but the empty
     /// string and NUL (see [`NewJob::with_key`]).
     pub key: Option<String>,
-    /// Lower runs first; claims are ordered by `(priority, available_at, id)`. Default 0.
-    pub priority: i16,
+    /// Lower runs first; claims are ordered by `(priority, available_at, id)`. `None`:
+    /// the kind's policy's priority where the enqueuing store knows it, else 0. An
+    /// explicit `Some(0)` is the job's own and wins over its kind's.
+    pub priority: Option<i16>,
     /// Absolute run-at time (database clock is used when `None`).
     pub run_at: Option<DateTime<Utc>>,
     /// Delay from the database's `now()`; ignored when `run_at` is set.
@@ -281,7 +283,7 @@ impl NewJob {
             queue: None,
             kind: kind.into(),
             key: None,
-            priority: 0,
+            priority: None,
             run_at: None,
             delay: None,
             max_attempts: None,
@@ -329,7 +331,7 @@ impl NewJob {
     }
     /// Lower runs first.
     pub fn with_priority(mut self, priority: i16) -> Self {
-        self.priority = priority;
+        self.priority = Some(priority);
         self
     }
     /// Not claimable before `at` (compared with the database clock).

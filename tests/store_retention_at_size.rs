@@ -416,9 +416,10 @@ async fn one_process_prunes_a_schema_at_a_time_and_the_others_skip_without_waiti
         // Another process's pass holds the schema's retention lock.
         let mut other = db.raw_conn("other").await;
         sqlx::query("BEGIN").execute(&mut other).await.unwrap();
-        let locked: bool = sqlx::query_scalar(
-            "SELECT pg_try_advisory_xact_lock(hashtext('leasehold.retention'), hashtext($1))",
-        )
+        let locked: bool = sqlx::query_scalar(&format!(
+            "SELECT pg_try_advisory_xact_lock({})",
+            leasehold::store::RETENTION_LOCK_KEY
+        ))
         .bind(&db.schema)
         .fetch_one(&mut other)
         .await

@@ -86,6 +86,11 @@ pub struct Periodic {
 /// passed counts as missed (a process was down), and the catch-up policy decides.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(2);
 
+/// The shortest [`Periodic::grace`] a scheduler starts with: 1 s. A fire is enqueued
+/// after its time (the look, then the insert), so a shorter grace would count fires that
+/// were on time as missed.
+pub const MIN_GRACE: Duration = Duration::from_secs(1);
+
 /// The farthest back a catch-up looks: 7 days of fire times at most.
 pub const CATCH_UP_HORIZON: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -153,7 +158,9 @@ impl Periodic {
     /// [`Periodic::in_time_zone`] by the zone's IANA name (`"Europe/Berlin"`), e.g. from
     /// a config file; an unknown name is refused with the reason.
     pub fn in_time_zone_named(self, name: &str) -> Result<Self> {
-        Ok(self.in_time_zone(when::zone_named(name)?))
+        let p = self.in_time_zone(when::zone_named(name)?);
+        p.when.check_fires_after(chrono::Utc::now())?;
+        Ok(p)
     }
 
     /// What to do with fire times missed during downtime. Default [`CatchUp::Skip`].
@@ -163,7 +170,7 @@ impl Periodic {
     }
 
     /// How late a fire time may be enqueued and still count as on time. Default
-    /// [`DEFAULT_GRACE`].
+    /// [`DEFAULT_GRACE`]; a scheduler refuses to start with less than [`MIN_GRACE`].
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self

@@ -30,6 +30,10 @@ pub(crate) enum When {
     Every(Duration),
 }
 
+/// How many hours the zone furthest behind UTC is (UTC−12, plus one for its summer time
+/// if it ever has one): a wall-clock time this far behind UTC's is still ahead there.
+const MOST_BEHIND_UTC_HOURS: i64 = 13;
+
 /// The longest run of nonexistent local times tzdb has (Samoa skipped 2011-12-30): a
 /// gap is searched for its end no further than this.
 const LONGEST_GAP: chrono::Duration = chrono::Duration::hours(48);
@@ -40,8 +44,12 @@ impl When {
         let when = When::parse_cron(expression, tz)?;
         if let When::Cron(schedule, _) = &when {
             // Input checking only (a year in the past is a mistake to say at once); no
-            // fire-time decision reads the host's clock.
-            if schedule.upcoming(Utc).next().is_none() {
+            // fire-time decision reads the host's clock. The zone is not known yet, so
+            // this asks for a wall-clock time ahead in some zone (UTC−12 is the furthest
+            // behind); `Periodic::in_time_zone_named` and the scheduler's start ask again
+            // in the schedule's own zone.
+            let behind = Utc::now() - chrono::Duration::hours(MOST_BEHIND_UTC_HOURS);
+            if schedule.after(&behind).next().is_none() {
                 return Err(Error::InvalidInput {
                     field: "cron expression",
                     reason: format!("{expression:?} has no fire time from now on"),
@@ -145,6 +153,22 @@ impl When {
                     k += 1;
                 }
             }
+        }
+    }
+
+    /// Refused when there is no fire time after `now` (in the schedule's zone): a one-off
+    /// expression whose time has passed there, or whose year is over.
+    pub(crate) fn check_fires_after(&self, now: DateTime<Utc>) -> Result<()> {
+        match self {
+            When::Cron(s, tz) if self.next_after(now).is_none() => Err(Error::InvalidInput {
+                field: "cron expression",
+                reason: format!(
+                    "{:?} has no fire time from now on in {}",
+                    s.source(),
+                    tz.name()
+                ),
+            }),
+            _ => Ok(()),
         }
     }
 

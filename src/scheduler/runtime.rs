@@ -61,7 +61,7 @@ use crate::error::{Error, Result};
 use crate::handler::{Registry, RetryDelay};
 use crate::job::OwnerId;
 use crate::metrics::Metrics;
-use crate::periodic::Periodic;
+use crate::periodic::{Periodic, MIN_GRACE};
 use crate::store::Store;
 
 /// A running scheduler's parts, shared by its handles.
@@ -173,9 +173,13 @@ fn check_policies(config: &Config, registry: &Registry) -> Result<()> {
 }
 
 /// Schedule names are unique; a schedule's job without a queue goes to the first
-/// configured queue (as an enqueue through the scheduler does).
-fn check_schedules(config: &Config, schedules: &mut [Periodic]) -> Result<()> {
+/// configured queue (as an enqueue through the scheduler does). A schedule that could
+/// never fire is refused here rather than left to fail silently at each fire time: one
+/// with no fire time left in its zone, a grace under [`MIN_GRACE`], or a job every
+/// enqueue would refuse (checked by the same rules, with the kind's policy).
+fn check_schedules(config: &Config, store: &Store, schedules: &mut [Periodic]) -> Result<()> {
     let mut names = std::collections::HashSet::new();
+    let mut encoded = Vec::new();
     for p in schedules.iter_mut() {
         crate::store::check_name("periodic schedule name", p.name())?;
         if !names.insert(p.name().to_string()) {
@@ -184,10 +188,29 @@ fn check_schedules(config: &Config, schedules: &mut [Periodic]) -> Result<()> {
                 reason: format!("two schedules are named {:?}", p.name()),
             });
         }
+        p.when().check_fires_after(chrono::Utc::now())?;
+        if p.grace_period() < MIN_GRACE {
+            return Err(Error::Config {
+                field: "periodic grace",
+                reason: format!(
+                    "schedule {:?}: a grace of {} would count every fire as missed (a fire \
+                     is enqueued after its time, never at it); at least {} is needed",
+                    p.name(),
+                    humantime::format_duration(p.grace_period()),
+                    humantime::format_duration(MIN_GRACE),
+                ),
+            });
+        }
         let job = p.job_mut();
         if job.queue.is_none() {
             job.queue = Some(config.queues[0].clone());
         }
+        store
+            .check_job(p.job(), &mut encoded)
+            .map_err(|e| Error::Config {
+                field: "periodic job",
+                reason: format!("schedule {:?}: every fire would be refused: {e}", p.name()),
+            })?;
     }
     Ok(())
 }
@@ -201,7 +224,6 @@ pub(super) async fn start(
     mut schedules: Vec<Periodic>,
 ) -> Result<StopOnDrop> {
     config.validate()?;
-    check_schedules(&config, &mut schedules)?;
     if registry.kinds().is_empty() {
         return Err(Error::Config {
             field: "handlers",
@@ -213,6 +235,7 @@ pub(super) async fn start(
     // (through the handle, a periodic fire, a handler's follow-up) gets the kind's policy.
     let host_store =
         Store::for_config(pool.clone(), &config)?.with_kind_policies(registry.policies());
+    check_schedules(&config, &host_store, &mut schedules)?;
     host_store.migrate().await?;
     let owner = OwnerId::generate();
     let (handler_runtime, handlers) = match config.handler_threads {

@@ -190,6 +190,12 @@ impl Store {
     /// Record an effect's outcome under the fence. `keep` is how long the ledger must
     /// keep it (at least the longest retry window).
     ///
+    /// The row belongs to the job that recorded it: retention deletes it once `keep` has
+    /// passed and that job has ended for good (done or cancelled, or deleted), whichever
+    /// other job found it since. The keys of [`EffectKey`](crate::EffectKey) are one
+    /// job's; a key of your own that several jobs share needs a `keep` that covers the
+    /// retries of every job relying on it.
+    ///
     /// Refused before anything is written, with [`Error::InvalidInput`]: an effect key
     /// that is empty, holds a NUL or is longer than
     /// [`INDEXED_TEXT_ALWAYS_FITS`](super::INDEXED_TEXT_ALWAYS_FITS) bytes (`effect key`),

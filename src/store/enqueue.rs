@@ -116,7 +116,7 @@ impl Store {
     /// `encoded` (cleared first); returns the job's max attempts and priority: its own,
     /// else its kind's policy where this store knows it (see [`Store::kind_policy`]),
     /// else the store's default.
-    pub(super) fn check_job(&self, job: &NewJob, encoded: &mut Vec<u8>) -> Result<(i32, i16)> {
+    pub(crate) fn check_job(&self, job: &NewJob, encoded: &mut Vec<u8>) -> Result<(i32, i16)> {
         check_name("queue", job.queue_name())?;
         check_name("kind", &job.kind)?;
         if let Some(key) = &job.key {
@@ -128,11 +128,10 @@ impl Store {
             .max_attempts
             .or(policy.and_then(|p| p.max_attempts))
             .unwrap_or(self.options().default_max_attempts);
-        // A priority of 0, the default, counts as not set.
-        let priority = match job.priority {
-            0 => policy.and_then(|p| p.priority).unwrap_or(0),
-            own => own,
-        };
+        let priority = job
+            .priority
+            .or(policy.and_then(|p| p.priority))
+            .unwrap_or(0);
         if max_attempts < 1 {
             return Err(Error::InvalidInput {
                 field: "max_attempts",

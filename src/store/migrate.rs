@@ -124,10 +124,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "every job's own effect identity, the first part of its effect keys",
         include_str!("../../migrations/0021_job_effect_identity.sql"),
     ),
+    (
+        22,
+        "retention's jobs scan resumes after the last job deleted: done and cancelled jobs by when they may go, then id",
+        include_str!("../../migrations/0022_prune_resumes.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 21;
+pub const SCHEMA_VERSION: i32 = 22;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

@@ -63,6 +63,7 @@ pub use progress::MAX_PROGRESS_BYTES;
 pub use reap::{ReapReport, UNSTARTED_EXPIRIES_MAX};
 pub use retention::{
     PruneOptions, PruneReport, DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_STATEMENT_TIMEOUT,
+    RETENTION_LOCK_KEY,
 };
 pub(crate) use schedulers::Heartbeat;
 pub use schedulers::LiveScheduler;
@@ -165,6 +166,9 @@ struct Inner {
     /// store made from it: the scheduler's own enqueues, its periodic fires, its
     /// handlers' follow-ups ([`crate::JobContext::enqueue`]) and its handle's store.
     kinds: Arc<HashMap<String, crate::KindPolicy>>,
+    /// What this process's retention passes learned (where the jobs scan resumes, jobs
+    /// too big to delete at once): shared by every store derived from this one.
+    retention: Arc<retention::Memory>,
 }
 
 impl Store {
@@ -181,6 +185,7 @@ impl Store {
                 wakeups: wakeups::Wakeups::default(),
                 lock_wait: None,
                 kinds: Arc::default(),
+                retention: Arc::default(),
             }),
         })
     }
@@ -247,6 +252,7 @@ impl Store {
                 wakeups: wakeups::Wakeups::default(),
                 lock_wait,
                 kinds,
+                retention: i.retention.clone(),
             }),
         }
     }

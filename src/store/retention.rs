@@ -12,10 +12,24 @@
 //! each whether a job is left through the partial indexes that together hold every
 //! state. A pass with nothing due reads an index entry or two per statement.
 //!
+//! A deleted row's index entries stay until no snapshot can see it, so while one is open
+//! (a backup) a scan from the oldest due job would walk every entry retention deleted
+//! since. The jobs scan therefore resumes after the last job this process's previous pass
+//! deleted (`jobs_prunable` orders by the moment, then id; migration 22), and starts from
+//! the oldest due job again once a minute (a job locked when its turn came, or one whose
+//! finish committed late, is picked up then).
+//!
+//! A due job too big to delete within the statement timeout even alone (a history of
+//! millions of events) does not hold the rest back: the jobs statement leaves it out,
+//! and each pass deletes its history a batch per statement ([`PruneReport::history`]),
+//! then the job goes as the others do.
+//!
 //! # One process at a time
 //! Every retention transaction first tries a transaction-level advisory lock of the
 //! schema (`pg_try_advisory_xact_lock`, never waiting): while one process prunes, the
-//! others skip their pass ([`PruneReport::skipped`]). Only retention deletes jobs or
+//! others skip their pass ([`PruneReport::skipped`]). A pass whose later transaction finds
+//! the lock taken ends there (the other process's pass does the rest); it is reported
+//! skipped only when it deleted nothing. Only retention deletes jobs or
 //! `idle_keys` rows, so under that lock the key pass's snapshot is not overtaken by a
 //! deletion of a job of its keys.
 //!
@@ -91,6 +105,10 @@ pub struct PruneReport {
     pub effects: u64,
     /// Key rows deleted (no job referred to them any more).
     pub keys: u64,
+    /// History rows deleted ahead of their job: a due job whose history was too big to
+    /// delete with it within the statement timeout loses it a batch per statement, and
+    /// then goes as the others do.
+    pub history: u64,
     /// Periodic fire records deleted.
     pub fires: u64,
     /// Candidate rows the pass's statements read: jobs and ledger rows found due, fire
@@ -118,6 +136,7 @@ impl PruneReport {
         self.jobs += pass.jobs;
         self.effects += pass.effects;
         self.keys += pass.keys;
+        self.history += pass.history;
         self.fires += pass.fires;
         self.read += pass.read;
         self.skipped |= pass.skipped;
@@ -127,19 +146,84 @@ impl PruneReport {
     }
 }
 
-/// One process prunes a schema at a time (see the module docs).
-const TRY_LOCK: &str =
-    "SELECT pg_try_advisory_xact_lock(hashtext('leasehold.retention'), hashtext($1))";
+/// The arguments of the advisory lock a retention pass of schema `$1` takes in each of
+/// its transactions (`pg_try_advisory_xact_lock(<this>)`; see the module docs). Holding it
+/// (`pg_advisory_lock(<this>)` in a session of your own) pauses retention of the schema
+/// in every process. The schema is named by its oid, shifted into `int4`: unique among
+/// the database's schemas (a hash of the name would let two tenants' schemas whose names
+/// collide skip each other).
+pub const RETENTION_LOCK_KEY: &str = "hashtext('leasehold.retention'), \
+     coalesce((SELECT (n.oid::int8 - 2147483648)::int4 FROM pg_namespace n WHERE n.nspname = $1), 0)";
+
+/// How long a pass may resume the jobs scan where this process's previous pass ended;
+/// after this, a pass scans from the oldest due job again (and picks up what the resumed
+/// passes could not see: a job locked when its turn came, or one that committed its
+/// finish late).
+const RESUME_FOR: Duration = Duration::from_secs(60);
+
+/// Jobs set aside by one pass as too big to delete within the statement timeout.
+const OVERSIZED_PER_PASS: usize = 4;
+
+/// What this process's passes carry from one to the next.
+#[derive(Default)]
+pub(super) struct Memory {
+    state: std::sync::Mutex<Remembered>,
+}
+
+#[derive(Default)]
+struct Remembered {
+    /// Every due job ordered at or before this (its `greatest(finished_at,
+    /// unique_until)`, then id) was deleted by a pass of this process since `scanned_at`.
+    /// Starting after it, a pass does not walk the index entries of rows it deleted
+    /// (an open snapshot, a backup's say, keeps them until it ends).
+    resume: Option<(DateTime<Utc>, i64)>,
+    /// When a pass last scanned from the oldest due job.
+    scanned_at: Option<Instant>,
+    /// Due jobs whose deletion outlasted the statement timeout even alone (a history of
+    /// millions of events): the jobs statement leaves them out, and each pass deletes
+    /// their history a batch at a time, then the job.
+    oversized: std::collections::BTreeSet<i64>,
+}
+
+impl Memory {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Remembered> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where this pass's jobs scan starts, and the jobs it leaves out.
+    fn start(&self) -> (Option<(DateTime<Utc>, i64)>, Vec<i64>) {
+        let mut m = self.lock();
+        let fresh = m.scanned_at.is_some_and(|at| at.elapsed() < RESUME_FOR);
+        if !fresh {
+            m.resume = None;
+            m.scanned_at = Some(Instant::now());
+        }
+        (m.resume, m.oversized.iter().copied().collect())
+    }
+
+    /// Scan from the oldest due job next pass.
+    fn rescan(&self) {
+        let mut m = self.lock();
+        m.resume = None;
+        m.scanned_at = None;
+    }
+}
 
 /// The jobs due, oldest first, through `jobs_prunable` up to the cutoff (`$1` the pass's
 /// clock, `$2` the retention in seconds); their history, expiry records and expired
 /// effect outcomes go with them, and their keys become candidates of the key pass.
+///
+/// `$4, $5` is where the scan resumes (after that `(moment, id)`), `$6` the jobs left out
+/// (too big, see `Remembered::oversized`). `resume_at, resume_id` is where the next pass
+/// may resume: the last candidate, when every candidate was deleted.
 pub(super) const PRUNE_JOBS: &str = r#"/* leasehold:prune_jobs */
 WITH cand AS MATERIALIZED (
-    SELECT id FROM {s}.jobs
+    SELECT id, greatest(finished_at, unique_until) AS since FROM {s}.jobs
     WHERE greatest(finished_at, unique_until) < $1::timestamptz - make_interval(secs => $2)
       AND state IN ('done', 'cancelled')
-    ORDER BY greatest(finished_at, unique_until)
+      AND (greatest(finished_at, unique_until), id) > (coalesce($4::timestamptz, '-infinity'), $5::int8)
+      AND id <> ALL($6::int8[])
+    ORDER BY greatest(finished_at, unique_until), id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 ), gone AS (
@@ -159,7 +243,38 @@ WITH cand AS MATERIALIZED (
     ON CONFLICT DO NOTHING
 )
 SELECT (SELECT count(*) FROM cand) AS read, (SELECT count(*) FROM gone) AS jobs,
-       (SELECT count(*) FROM ef) AS effects"#;
+       (SELECT count(*) FROM ef) AS effects, last.since AS resume_at, last.id AS resume_id
+FROM (SELECT 1) one
+LEFT JOIN LATERAL (SELECT c.since, c.id FROM cand c ORDER BY c.since DESC, c.id DESC LIMIT 1) last
+       ON (SELECT count(*) FROM gone) = (SELECT count(*) FROM cand)"#;
+
+/// The first due job the jobs statement would take (`$1`–`$6` as there): the one a
+/// batch of 1 timed out on.
+pub(super) const PRUNE_JOBS_HEAD: &str = r#"/* leasehold:prune_jobs_head */
+SELECT id FROM {s}.jobs
+WHERE greatest(finished_at, unique_until) < $1::timestamptz - make_interval(secs => $2)
+  AND state IN ('done', 'cancelled')
+  AND (greatest(finished_at, unique_until), id) > (coalesce($4::timestamptz, '-infinity'), $5::int8)
+  AND id <> ALL($6::int8[])
+ORDER BY greatest(finished_at, unique_until), id
+LIMIT $3"#;
+
+/// Up to `$4` history rows of the oversized job `$1`, while it is still due (`$2` the
+/// clock, `$3` the retention) and nobody holds it; `due` 0 when it is not (gone, retried,
+/// held by an operator's action right now).
+pub(super) const TRIM_HISTORY: &str = r#"/* leasehold:prune_trim_history */
+WITH j AS MATERIALIZED (
+    SELECT id FROM {s}.jobs
+    WHERE id = $1 AND state IN ('done', 'cancelled')
+      AND greatest(finished_at, unique_until) < $2::timestamptz - make_interval(secs => $3)
+    FOR UPDATE SKIP LOCKED
+), ev AS (
+    DELETE FROM {s}.job_events e
+    WHERE e.id IN (SELECT x.id FROM j, LATERAL (SELECT y.id FROM {s}.job_events y
+                                                 WHERE y.job_id = j.id ORDER BY y.id LIMIT $4) x)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM j) AS read, (SELECT count(*) FROM ev) AS deleted"#;
 
 /// Ledger rows past their `keep_until` (`$1`, the pass's clock) whose job is gone or
 /// finished for good. An outcome is kept while its job may run again: a dead job can be
@@ -299,6 +414,18 @@ fn timed_out(e: &Error) -> bool {
 /// Counts a statement returned: (rows read, rows deleted).
 type Counts = (i64, i64);
 
+/// What the jobs statement did.
+struct JobsPass {
+    /// The pass's clock.
+    now: DateTime<Utc>,
+    read: i64,
+    jobs: i64,
+    /// Effect outcomes deleted with the jobs.
+    effects: i64,
+    /// Where the next pass may resume the scan.
+    resume: Option<(DateTime<Utc>, i64)>,
+}
+
 impl Store {
     /// The retention policy with the default batch and timeouts: see
     /// [`Store::prune_with`]. `limit` is the batch.
@@ -340,19 +467,12 @@ impl Store {
     async fn prune_steps(&self, options: &PruneOptions, report: &mut PruneReport) -> Result<()> {
         let keep = secs(options.keep);
         let timeout = options.statement_timeout;
-        // The pass's clock, read once: every cutoff is a value, so index scans stop at it.
-        let Some((now, (read, jobs), effects)) = self
-            .shrinking(report, |store, batch| async move {
-                store.prune_jobs(timeout, keep, batch).await
-            })
-            .await?
-        else {
-            report.skipped = true;
-            return Ok(());
+        let Some(now) = self.prune_all_jobs(options, report).await? else {
+            return lost_lock(report);
         };
-        report.read += read as u64;
-        report.jobs = jobs as u64;
-        report.effects = effects as u64;
+        if self.trim_oversized(options, now, report).await?.is_none() {
+            return lost_lock(report);
+        }
         for (sql, fires) in [
             (&self.sql().prune_effects, false),
             (&self.sql().prune_fires, true),
@@ -365,8 +485,7 @@ impl Store {
                 })
                 .await?
             else {
-                report.skipped = true;
-                return Ok(());
+                return lost_lock(report);
             };
             report.read += read as u64;
             if fires {
@@ -382,13 +501,207 @@ impl Store {
                 })
                 .await?
             else {
-                report.skipped = true;
-                return Ok(());
+                return lost_lock(report);
             };
             report.read += read as u64;
             report.keys = keys as u64;
         }
         Ok(())
+    }
+
+    /// The jobs step, halving its batch at each timeout. A batch of 1 that still times
+    /// out names one job too big to delete within the timeout (its history, say): that
+    /// job is set aside (`trim_oversized` deletes it a batch of history at a time), the
+    /// batch is restored, and the step goes on without it. Returns the pass's clock;
+    /// `None` when another process prunes.
+    async fn prune_all_jobs(
+        &self,
+        options: &PruneOptions,
+        report: &mut PruneReport,
+    ) -> Result<Option<DateTime<Utc>>> {
+        let keep = secs(options.keep);
+        let timeout = options.statement_timeout;
+        let memory = &self.inner.retention;
+        let (resume, mut left_out) = memory.start();
+        let mut set_aside = 0;
+        loop {
+            match self
+                .prune_jobs(timeout, keep, report.batch, resume, &left_out)
+                .await
+            {
+                Ok(None) => return Ok(None),
+                Ok(Some(pass)) => {
+                    report.read += pass.read as u64;
+                    report.jobs = pass.jobs as u64;
+                    report.effects = pass.effects as u64;
+                    if let Some(at) = pass.resume {
+                        memory.lock().resume = Some(at);
+                    }
+                    return Ok(Some(pass.now));
+                }
+                Err(e) if timed_out(&e) && report.batch > 1 => {
+                    report.timeouts += 1;
+                    report.batch = (report.batch / 2).max(1);
+                    tracing::warn!(error = %e, batch = report.batch,
+                        "leasehold retention statement timed out; trying again with a smaller batch");
+                }
+                Err(e) if timed_out(&e) && set_aside < OVERSIZED_PER_PASS => {
+                    report.timeouts += 1;
+                    let Some(head) = self.jobs_head(timeout, keep, resume, &left_out).await? else {
+                        return Err(e);
+                    };
+                    tracing::warn!(job = head, error = %e,
+                        "leasehold retention: a due job is too big to delete within the statement \
+                         timeout; deleting its history a batch at a time");
+                    memory.lock().oversized.insert(head);
+                    left_out.push(head);
+                    set_aside += 1;
+                    report.batch = options.batch.max(1);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The jobs statement, with the pass's clock read in its transaction; `None` when
+    /// another process prunes.
+    async fn prune_jobs(
+        &self,
+        timeout: Duration,
+        keep: f64,
+        batch: i64,
+        resume: Option<(DateTime<Utc>, i64)>,
+        left_out: &[i64],
+    ) -> Result<Option<JobsPass>> {
+        let mut conn = self.pool().acquire().await?;
+        let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
+            return Ok(None);
+        };
+        let (after_at, after_id) = (resume.map(|r| r.0), resume.map_or(0, |r| r.1));
+        let done = async {
+            let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+                .fetch_one(self.on(&mut tx))
+                .await?;
+            let row = sqlx::query(&self.sql().prune_jobs)
+                .bind(now)
+                .bind(keep)
+                .bind(batch)
+                .bind(after_at)
+                .bind(after_id)
+                .bind(left_out)
+                .fetch_one(self.on(&mut tx))
+                .await?;
+            let at: Option<DateTime<Utc>> = row.try_get("resume_at")?;
+            let id: Option<i64> = row.try_get("resume_id")?;
+            Ok(JobsPass {
+                now,
+                read: row.try_get("read")?,
+                jobs: row.try_get("jobs")?,
+                effects: row.try_get("effects")?,
+                resume: at.zip(id),
+            })
+        }
+        .await;
+        finish(tx, done).await.map(Some)
+    }
+
+    /// The job a batch of 1 of the jobs statement takes first.
+    async fn jobs_head(
+        &self,
+        timeout: Duration,
+        keep: f64,
+        resume: Option<(DateTime<Utc>, i64)>,
+        left_out: &[i64],
+    ) -> Result<Option<i64>> {
+        let mut conn = self.pool().acquire().await?;
+        let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
+            return Ok(None);
+        };
+        let (after_at, after_id) = (resume.map(|r| r.0), resume.map_or(0, |r| r.1));
+        let done = async {
+            let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+                .fetch_one(self.on(&mut tx))
+                .await?;
+            let head: Option<i64> = sqlx::query_scalar(&self.schema().render(PRUNE_JOBS_HEAD))
+                .bind(now)
+                .bind(keep)
+                .bind(1_i64)
+                .bind(after_at)
+                .bind(after_id)
+                .bind(left_out)
+                .fetch_optional(self.on(&mut tx))
+                .await?;
+            Ok(head)
+        }
+        .await;
+        finish(tx, done).await
+    }
+
+    /// Delete the history of the jobs set aside as too big, a batch per statement, for at
+    /// most one statement timeout of this pass. A job whose history is gone (or that is no
+    /// longer due) leaves the set, and the next pass scans from the oldest due job, so
+    /// the jobs statement deletes it. `None` when another process prunes.
+    async fn trim_oversized(
+        &self,
+        options: &PruneOptions,
+        now: DateTime<Utc>,
+        report: &mut PruneReport,
+    ) -> Result<Option<()>> {
+        let memory = &self.inner.retention;
+        let ids: Vec<i64> = memory.lock().oversized.iter().copied().collect();
+        if ids.is_empty() {
+            return Ok(Some(()));
+        }
+        let sql = self.schema().render(TRIM_HISTORY);
+        let keep = secs(options.keep);
+        let started = Instant::now();
+        let mut batch = options.batch.max(1);
+        let mut conn = self.pool().acquire().await?;
+        for id in ids {
+            while started.elapsed() < options.statement_timeout {
+                let Some(mut tx) = self
+                    .begin_retention(&mut conn, options.statement_timeout)
+                    .await?
+                else {
+                    return Ok(None);
+                };
+                let done = async {
+                    let row = sqlx::query(&sql)
+                        .bind(id)
+                        .bind(now)
+                        .bind(keep)
+                        .bind(batch)
+                        .fetch_one(self.on(&mut tx))
+                        .await?;
+                    let counts: Counts = (row.try_get("read")?, row.try_get("deleted")?);
+                    Ok(counts)
+                }
+                .await;
+                match finish(tx, done).await {
+                    Ok((due, deleted)) => {
+                        report.read += due as u64;
+                        report.history += deleted as u64;
+                        if due == 0 || deleted < batch {
+                            memory.lock().oversized.remove(&id);
+                            memory.rescan();
+                            break;
+                        }
+                    }
+                    Err(e) if timed_out(&e) => {
+                        report.timeouts += 1;
+                        if batch == 1 {
+                            tracing::warn!(job = id, error = %e,
+                                "leasehold retention: one history row of a set-aside job outlasts \
+                                 the statement timeout; trying again next pass");
+                            break;
+                        }
+                        batch = (batch / 2).max(1);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(Some(()))
     }
 
     /// Run `step` with the report's batch, halving it at each timeout down to 1.
@@ -418,48 +731,17 @@ impl Store {
         timeout: Duration,
     ) -> Result<Option<Transaction<'c, Postgres>>> {
         let mut tx = sqlx::Connection::begin_with(conn, begin_sql(timeout)).await?;
-        let locked: bool = sqlx::query_scalar(TRY_LOCK)
-            .bind(self.schema().name())
-            .fetch_one(self.on(&mut tx))
-            .await?;
+        let locked: bool = sqlx::query_scalar(&format!(
+            "SELECT pg_try_advisory_xact_lock({RETENTION_LOCK_KEY})"
+        ))
+        .bind(self.schema().name())
+        .fetch_one(self.on(&mut tx))
+        .await?;
         if !locked {
             tx.rollback().await?;
             return Ok(None);
         }
         Ok(Some(tx))
-    }
-
-    /// The jobs statement, with the pass's clock read in its transaction: (the clock,
-    /// (read, jobs deleted), effect outcomes deleted with them); `None` when another
-    /// process prunes.
-    async fn prune_jobs(
-        &self,
-        timeout: Duration,
-        keep: f64,
-        batch: i64,
-    ) -> Result<Option<(DateTime<Utc>, Counts, i64)>> {
-        let mut conn = self.pool().acquire().await?;
-        let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
-            return Ok(None);
-        };
-        let done = async {
-            let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-                .fetch_one(self.on(&mut tx))
-                .await?;
-            let row = sqlx::query(&self.sql().prune_jobs)
-                .bind(now)
-                .bind(keep)
-                .bind(batch)
-                .fetch_one(self.on(&mut tx))
-                .await?;
-            Ok((
-                now,
-                (row.try_get("read")?, row.try_get("jobs")?),
-                row.try_get("effects")?,
-            ))
-        }
-        .await;
-        finish(tx, done).await.map(Some)
     }
 
     /// A statement of the form `(read, deleted)` over `$1` the clock, then `$2` the
@@ -525,6 +807,15 @@ impl Store {
         .await;
         finish(tx, done).await.map(Some)
     }
+}
+
+/// Another process took the retention lock between two of this pass's transactions
+/// (each takes it for itself, so a pass never holds it across a round trip of the
+/// host's): the pass ends here, and the other process's pass does the rest. It is
+/// "skipped" only when it deleted nothing.
+fn lost_lock(report: &mut PruneReport) -> Result<()> {
+    report.skipped = report.deleted() == 0;
+    Ok(())
 }
 
 /// Commit `tx` when its statements succeeded; roll it back at once otherwise (a dropped
