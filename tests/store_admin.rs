@@ -308,10 +308,14 @@ async fn cancelling_a_head_promotes_its_successor() {
             Err(Error::InvalidTransition { .. })
         ));
         assert_eq!(db.count_where("job_keys", "open_jobs = 0").await, 1);
-        // The cancelled attempt's effect happened and stays in the ledger; the key's
-        // next job ran only after that attempt's handler had ended.
-        db.assert_effect_once(ids[1], running.generation.0, running.generation.0)
-            .await;
+        // The cancelled attempt never applied its effect (the cancel was recorded
+        // before it reached it); the key's next job ran only after that attempt's
+        // handler had ended.
+        let key = handler::effect_key(&db, ids[1]).await;
+        assert!(
+            !db.effects_applied().await.contains_key(&key),
+            "the cancelled attempt applied its effect"
+        );
         assert_eq!(h.assert_key_order()["acct"], vec![ids[1], ids[3], after]);
         assert_eq!(db.assert_done_jobs_have_their_effects().await, 2);
         db.drop().await;

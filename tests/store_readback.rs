@@ -235,7 +235,7 @@ async fn results_too_deep_or_with_nul_are_refused_on_every_path_and_127_levels_r
                 "result by complete_keyed",
                 &format!(
                     "SELECT * FROM \"{}\".complete_keyed(ARRAY[{}]::int8[], ARRAY[{}]::int8[],
-                         ARRAY['{}'::jsonb], ARRAY['default'], ARRAY['acct'], ARRAY[false], true,
+                         ARRAY['{}'::jsonb], ARRAY['default'], ARRAY['acct'], ARRAY[false], 0,
                          '{}', NULL, 30, true, 'nobody')",
                     db.schema,
                     keyed_job.id,
@@ -264,7 +264,7 @@ async fn results_too_deep_or_with_nul_are_refused_on_every_path_and_127_levels_r
         }
         let rows = sqlx::query(&format!(
             "SELECT * FROM \"{}\".complete_keyed(ARRAY[{}]::int8[], ARRAY[{}]::int8[],
-                 ARRAY['{}'::jsonb], ARRAY['default'], ARRAY['acct'], ARRAY[false], true,
+                 ARRAY['{}'::jsonb], ARRAY['default'], ARRAY['acct'], ARRAY[false], 0,
                  '{}', NULL, 30, true, 'nobody')",
             db.schema,
             keyed_job.id,
