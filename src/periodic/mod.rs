@@ -108,8 +108,8 @@ impl Periodic {
     /// recognizes it) firing by the cron `expression`, with seconds, in UTC:
     /// `"0 */5 * * * *"` is every five minutes, `"0 0 3 * * Mon-Fri"` 03:00 on weekdays.
     /// Each fire enqueues a copy of `job` whose run-at time is the fire time. An
-    /// expression that does not parse, or has no fire time from now on, is refused with
-    /// the reason.
+    /// expression that does not parse, or has no fire time left in any zone, is refused
+    /// with the reason; the scheduler's start checks again in the schedule's own zone.
     ///
     /// ```
     /// # use leasehold::{CatchUp, NewJob, Periodic};
