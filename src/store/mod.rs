@@ -505,7 +505,7 @@ impl Statements {
             fail: s.render(fail::FAIL),
             snooze: s.render(fail::SNOOZE),
             release: s.render(fail::RELEASE),
-            prune_jobs: s.render(retention::PRUNE_JOBS),
+            prune_jobs: s.render(&retention::prune_jobs()),
             prune_effects: s.render(retention::PRUNE_EFFECTS),
             prune_keys: s.render(&slots(&retention::prune_keys())),
             prune_fires: s.render(retention::PRUNE_FIRES),

@@ -209,36 +209,41 @@ impl Memory {
     }
 }
 
-/// The jobs due, oldest first, through `jobs_prunable` up to the cutoff (`$1` the pass's
-/// clock, `$2` the retention in seconds); their history, expiry records and expired
-/// effect outcomes go with them, and their keys become candidates of the key pass.
-///
-/// `$4, $5` is where the scan resumes (after that `(moment, id)`), `$6` the jobs left out
-/// (too big, see `Remembered::oversized`). `resume_at, resume_id` is where the next pass
-/// may resume: the last candidate, when every candidate was deleted.
-pub(super) const PRUNE_JOBS: &str = r#"/* leasehold:prune_jobs */
-WITH cand AS MATERIALIZED (
-    SELECT id, greatest(finished_at, unique_until) AS since FROM {s}.jobs
+/// The due jobs in the order retention takes them, through `jobs_prunable` up to the
+/// cutoff (`$1` the pass's clock, `$2` the retention in seconds), at most `$3`: after
+/// `$4, $5` (the `(moment, id)` the scan resumes after) and without `$6` (the jobs set
+/// aside as too big, see `Remembered::oversized`). Shared by the two statements below.
+const DUE_JOBS: &str = "SELECT id, greatest(finished_at, unique_until) AS since FROM {s}.jobs
     WHERE greatest(finished_at, unique_until) < $1::timestamptz - make_interval(secs => $2)
       AND state IN ('done', 'cancelled')
       AND (greatest(finished_at, unique_until), id) > (coalesce($4::timestamptz, '-infinity'), $5::int8)
       AND id <> ALL($6::int8[])
     ORDER BY greatest(finished_at, unique_until), id
-    LIMIT $3
+    LIMIT $3";
+
+/// Delete the due jobs (`DUE_JOBS`); their history, expiry records and expired effect
+/// outcomes go with them, and their keys become candidates of the key pass.
+/// `resume_at, resume_id` is where the next pass may resume: the last candidate, when
+/// every candidate was deleted.
+pub(super) fn prune_jobs() -> String {
+    format!(
+        r#"/* leasehold:prune_jobs */
+WITH cand AS MATERIALIZED (
+    {DUE_JOBS}
     FOR UPDATE SKIP LOCKED
 ), gone AS (
-    DELETE FROM {s}.jobs j USING cand
+    DELETE FROM {{s}}.jobs j USING cand
     WHERE j.id = cand.id AND j.state IN ('done', 'cancelled')
     RETURNING j.id, j.queue, j.job_key
 ), ev AS (
-    DELETE FROM {s}.job_events WHERE job_id IN (SELECT id FROM gone)
+    DELETE FROM {{s}}.job_events WHERE job_id IN (SELECT id FROM gone)
 ), le AS (
-    DELETE FROM {s}.lease_expiries WHERE job_id IN (SELECT id FROM gone)
+    DELETE FROM {{s}}.lease_expiries WHERE job_id IN (SELECT id FROM gone)
 ), ef AS (
-    DELETE FROM {s}.effects WHERE job_id IN (SELECT id FROM gone) AND keep_until < $1
+    DELETE FROM {{s}}.effects WHERE job_id IN (SELECT id FROM gone) AND keep_until < $1
     RETURNING 1
 ), marked AS (
-    INSERT INTO {s}.idle_keys (queue, job_key)
+    INSERT INTO {{s}}.idle_keys (queue, job_key)
     SELECT DISTINCT queue, job_key FROM gone WHERE job_key IS NOT NULL
     ON CONFLICT DO NOTHING
 )
@@ -246,18 +251,15 @@ SELECT (SELECT count(*) FROM cand) AS read, (SELECT count(*) FROM gone) AS jobs,
        (SELECT count(*) FROM ef) AS effects, last.since AS resume_at, last.id AS resume_id
 FROM (SELECT 1) one
 LEFT JOIN LATERAL (SELECT c.since, c.id FROM cand c ORDER BY c.since DESC, c.id DESC LIMIT 1) last
-       ON (SELECT count(*) FROM gone) = (SELECT count(*) FROM cand)"#;
+       ON (SELECT count(*) FROM gone) = (SELECT count(*) FROM cand)"#
+    )
+}
 
-/// The first due job the jobs statement would take (`$1`–`$6` as there): the one a
-/// batch of 1 timed out on.
-pub(super) const PRUNE_JOBS_HEAD: &str = r#"/* leasehold:prune_jobs_head */
-SELECT id FROM {s}.jobs
-WHERE greatest(finished_at, unique_until) < $1::timestamptz - make_interval(secs => $2)
-  AND state IN ('done', 'cancelled')
-  AND (greatest(finished_at, unique_until), id) > (coalesce($4::timestamptz, '-infinity'), $5::int8)
-  AND id <> ALL($6::int8[])
-ORDER BY greatest(finished_at, unique_until), id
-LIMIT $3"#;
+/// The first due job the jobs statement would take (`DUE_JOBS` with a batch of 1): the
+/// one a batch of 1 timed out on.
+fn prune_jobs_head() -> String {
+    format!("/* leasehold:prune_jobs_head */\n{DUE_JOBS}")
+}
 
 /// Up to `$4` history rows of the oversized job `$1`, while it is still due (`$2` the
 /// clock, `$3` the retention) and nobody holds it; `due` 0 when it is not (gone, retried,
@@ -414,6 +416,16 @@ fn timed_out(e: &Error) -> bool {
 /// Counts a statement returned: (rows read, rows deleted).
 type Counts = (i64, i64);
 
+/// Where a pass's jobs scan looks (see `DUE_JOBS`).
+struct JobsScan<'a> {
+    /// The retention, in seconds.
+    keep: f64,
+    /// The `(moment, id)` the scan resumes after.
+    resume: Option<(DateTime<Utc>, i64)>,
+    /// Jobs set aside as too big.
+    left_out: &'a [i64],
+}
+
 /// What the jobs statement did.
 struct JobsPass {
     /// The pass's clock.
@@ -525,10 +537,12 @@ impl Store {
         let (resume, mut left_out) = memory.start();
         let mut set_aside = 0;
         loop {
-            match self
-                .prune_jobs(timeout, keep, report.batch, resume, &left_out)
-                .await
-            {
+            let scan = JobsScan {
+                keep,
+                resume,
+                left_out: &left_out,
+            };
+            match self.prune_jobs(timeout, &scan, report.batch).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(pass)) => {
                     report.read += pass.read as u64;
@@ -547,7 +561,7 @@ impl Store {
                 }
                 Err(e) if timed_out(&e) && set_aside < OVERSIZED_PER_PASS => {
                     report.timeouts += 1;
-                    let Some(head) = self.jobs_head(timeout, keep, resume, &left_out).await? else {
+                    let Some(head) = self.jobs_head(timeout, &scan).await? else {
                         return Err(e);
                     };
                     tracing::warn!(job = head, error = %e,
@@ -563,78 +577,73 @@ impl Store {
         }
     }
 
-    /// The jobs statement, with the pass's clock read in its transaction; `None` when
-    /// another process prunes.
+    /// The jobs statement (its counts, and where the next pass may resume); `None`
+    /// when another process prunes.
     async fn prune_jobs(
         &self,
         timeout: Duration,
-        keep: f64,
+        scan: &JobsScan<'_>,
         batch: i64,
-        resume: Option<(DateTime<Utc>, i64)>,
-        left_out: &[i64],
     ) -> Result<Option<JobsPass>> {
-        let mut conn = self.pool().acquire().await?;
-        let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
+        let Some((now, row)) = self
+            .due_jobs(timeout, &self.sql().prune_jobs, scan, batch)
+            .await?
+        else {
             return Ok(None);
         };
-        let (after_at, after_id) = (resume.map(|r| r.0), resume.map_or(0, |r| r.1));
-        let done = async {
-            let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-                .fetch_one(self.on(&mut tx))
-                .await?;
-            let row = sqlx::query(&self.sql().prune_jobs)
-                .bind(now)
-                .bind(keep)
-                .bind(batch)
-                .bind(after_at)
-                .bind(after_id)
-                .bind(left_out)
-                .fetch_one(self.on(&mut tx))
-                .await?;
-            let at: Option<DateTime<Utc>> = row.try_get("resume_at")?;
-            let id: Option<i64> = row.try_get("resume_id")?;
-            Ok(JobsPass {
-                now,
-                read: row.try_get("read")?,
-                jobs: row.try_get("jobs")?,
-                effects: row.try_get("effects")?,
-                resume: at.zip(id),
-            })
-        }
-        .await;
-        finish(tx, done).await.map(Some)
+        let row = row.ok_or_else(|| Error::Database(sqlx::Error::RowNotFound))?;
+        let at: Option<DateTime<Utc>> = row.try_get("resume_at")?;
+        let id: Option<i64> = row.try_get("resume_id")?;
+        Ok(Some(JobsPass {
+            now,
+            read: row.try_get("read")?,
+            jobs: row.try_get("jobs")?,
+            effects: row.try_get("effects")?,
+            resume: at.zip(id),
+        }))
     }
 
     /// The job a batch of 1 of the jobs statement takes first.
-    async fn jobs_head(
+    async fn jobs_head(&self, timeout: Duration, scan: &JobsScan<'_>) -> Result<Option<i64>> {
+        let head = self
+            .due_jobs(timeout, &self.schema().render(&prune_jobs_head()), scan, 1)
+            .await?;
+        Ok(match head {
+            Some((_, Some(row))) => Some(row.try_get("id")?),
+            _ => None,
+        })
+    }
+
+    /// Run `sql`, a statement over `DUE_JOBS`, in a retention transaction with the
+    /// pass's clock read there: (the clock, its row); `None` when another process prunes.
+    async fn due_jobs(
         &self,
         timeout: Duration,
-        keep: f64,
-        resume: Option<(DateTime<Utc>, i64)>,
-        left_out: &[i64],
-    ) -> Result<Option<i64>> {
+        sql: &str,
+        scan: &JobsScan<'_>,
+        batch: i64,
+    ) -> Result<Option<(DateTime<Utc>, Option<sqlx::postgres::PgRow>)>> {
         let mut conn = self.pool().acquire().await?;
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };
-        let (after_at, after_id) = (resume.map(|r| r.0), resume.map_or(0, |r| r.1));
         let done = async {
             let now: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
                 .fetch_one(self.on(&mut tx))
                 .await?;
-            let head: Option<i64> = sqlx::query_scalar(&self.schema().render(PRUNE_JOBS_HEAD))
+            let row = sqlx::query(sql)
                 .bind(now)
-                .bind(keep)
-                .bind(1_i64)
-                .bind(after_at)
-                .bind(after_id)
-                .bind(left_out)
+                .bind(scan.keep)
+                .bind(batch)
+                .bind(scan.resume.map(|r| r.0))
+                .bind(scan.resume.map_or(0, |r| r.1))
+                .bind(scan.left_out)
                 .fetch_optional(self.on(&mut tx))
                 .await?;
-            Ok(head)
+            Ok((now, row))
         }
         .await;
-        finish(tx, done).await
+        finish(tx, done).await.map(Some)
     }
 
     /// Delete the history of the jobs set aside as too big, a batch per statement, for at
