@@ -14,7 +14,7 @@ pub enum Error {
     /// The database refused or failed a statement (includes a dropped connection). See
     /// [`Error::is_transient`] for whether trying again may help.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(#[source] sqlx::Error),
 
     /// The serialized payload is larger than the configured cap; nothing was written.
     /// Store large data elsewhere and enqueue a reference to it, or raise the cap.
@@ -158,6 +158,25 @@ pub enum Error {
 
 /// `Result` with leasehold's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<sqlx::Error> for Error {
+    /// A database error, except the store's refusal of an untold transaction pooler,
+    /// which reaches here through sqlx's error type from the store's executors and is
+    /// the configuration error it is.
+    fn from(e: sqlx::Error) -> Error {
+        match e {
+            sqlx::Error::Configuration(inner)
+                if inner.is::<crate::store::pooler::PoolerRefused>() =>
+            {
+                Error::Config {
+                    field: crate::store::pooler::POOLER_FIELD,
+                    reason: crate::store::pooler::POOLER_REFUSED.into(),
+                }
+            }
+            e => Error::Database(e),
+        }
+    }
+}
 
 impl Error {
     /// True when the error is a lost or refused connection rather than a refused

@@ -12,7 +12,6 @@ use common::*;
 use leasehold::{NewJob, Store, StoreOptions};
 use sqlx::postgres::PgPoolOptions;
 
-#[ignore = "open (issue 30 note): the transaction-pooler check runs in Store::migrate (every scheduler start); a Store that never migrates is not checked"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_never_migrates_behind_a_transaction_pooler_is_refused_with_the_pooler_error()
 {

@@ -51,9 +51,11 @@ async fn pooled_db(test: &str, bouncer: &PgBouncer, clients: u32) -> (TestDb, St
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_the_switch_cached_statements_collide_on_a_shared_server_connection() {
+async fn without_the_switch_a_store_that_never_migrates_refuses_every_call_and_writes_nothing() {
     bounded(async {
-        // One server connection: the second client gets the first one's.
+        // One server connection: without the check, the second client's cached
+        // `sqlx_s_1` would meet the first one's on it ("already exists", or a name
+        // bound to the other client's statement).
         let bouncer = PgBouncer::start(1);
         let db = TestDb::new("pooler_collide").await;
         let direct = StoreOptions::default();
@@ -69,13 +71,23 @@ async fn without_the_switch_cached_statements_collide_on_a_shared_server_connect
             direct,
         )
         .unwrap();
-        a.enqueue(job("k")).await.unwrap();
-        let err = b.enqueue(job("k")).await.expect_err("b's sqlx_s_1 is a's");
-        let text = err.to_string();
-        assert!(
-            text.contains("already exists") || text.contains("does not exist"),
-            "{text}"
-        );
+        for store in [&a, &b, &a] {
+            match store.enqueue(job("k")).await {
+                Err(leasehold::Error::Config { field, reason }) => {
+                    assert_eq!(field, "store.transaction_pooler");
+                    assert!(reason.contains("Nothing was written"), "{reason}");
+                }
+                other => panic!("expected the pooler refusal, got {other:?}"),
+            }
+        }
+        assert!(matches!(
+            a.job(leasehold::JobId(1)).await,
+            Err(leasehold::Error::Config {
+                field: "store.transaction_pooler",
+                ..
+            })
+        ));
+        assert_eq!(db.job_count().await, 0);
 
         // The same two clients with the switch on.
         let a = Store::new(a.pool().clone(), &db.schema, pooled()).unwrap();
@@ -84,7 +96,7 @@ async fn without_the_switch_cached_statements_collide_on_a_shared_server_connect
             a.enqueue(job("k")).await.unwrap();
             b.enqueue(job("k")).await.unwrap();
         }
-        assert_eq!(db.job_count().await, 41);
+        assert_eq!(db.job_count().await, 40);
         drop(bouncer);
         db.drop().await;
     })

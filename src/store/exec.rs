@@ -26,6 +26,8 @@ use sqlx::postgres::{PgArguments, PgQueryResult, PgRow, PgStatement, PgTypeInfo}
 use sqlx::TransactionManager;
 use sqlx::{Acquire, Either, Execute, Executor, PgConnection, PgPool, Postgres};
 
+use super::pooler::PoolerCheck;
+
 type Item = std::result::Result<Either<PgQueryResult, PgRow>, sqlx::Error>;
 
 /// A query as given, but never prepared under a name.
@@ -52,6 +54,8 @@ impl<'q, E: Execute<'q, Postgres>> Execute<'q, Postgres> for Unnamed<E> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Db<'p> {
     pub pool: &'p PgPool,
+    /// Asked before the first statement (see `pooler`).
+    pub pooler: &'p PoolerCheck,
     pub pooled: bool,
     /// Behind a pooler: the `lock_timeout` of the transaction each statement gets.
     pub lock_wait: Option<std::time::Duration>,
@@ -62,6 +66,8 @@ pub(crate) struct Db<'p> {
 #[derive(Debug)]
 pub(crate) struct On<'c> {
     pub conn: &'c mut PgConnection,
+    /// Asked before the first statement (see `pooler`).
+    pub pooler: &'c PoolerCheck,
     pub pooled: bool,
     /// Behind a pooler: the `lock_timeout` of the transaction a statement gets when
     /// `conn` is not in one already.
@@ -181,7 +187,13 @@ impl<'p> Executor<'p> for Db<'p> {
         E: 'q + Execute<'q, Postgres>,
     {
         if !self.pooled {
-            return self.pool.fetch_many(query);
+            if self.pooler.passed() {
+                return self.pool.fetch_many(query);
+            }
+            return collected(Box::pin(async move {
+                self.pooler.ensure().await?;
+                Ok(self.pool.fetch_many(query).collect().await)
+            }));
         }
         let pool = self.pool.clone();
         collected(Box::pin(async move {
@@ -199,7 +211,13 @@ impl<'p> Executor<'p> for Db<'p> {
         E: 'q + Execute<'q, Postgres>,
     {
         if !self.pooled {
-            return self.pool.fetch_optional(query);
+            if self.pooler.passed() {
+                return self.pool.fetch_optional(query);
+            }
+            return Box::pin(async move {
+                self.pooler.ensure().await?;
+                self.pool.fetch_optional(query).await
+            });
         }
         let pool = self.pool.clone();
         Box::pin(async move {
@@ -239,7 +257,13 @@ impl<'c> Executor<'c> for On<'c> {
         E: 'q + Execute<'q, Postgres>,
     {
         if !self.pooled {
-            return self.conn.fetch_many(query);
+            if self.pooler.passed() {
+                return self.conn.fetch_many(query);
+            }
+            return collected(Box::pin(async move {
+                self.pooler.ensure().await?;
+                Ok(self.conn.fetch_many(query).collect().await)
+            }));
         }
         collected(Box::pin(unnamed_in_transaction(
             self.conn,
@@ -257,7 +281,13 @@ impl<'c> Executor<'c> for On<'c> {
         E: 'q + Execute<'q, Postgres>,
     {
         if !self.pooled {
-            return self.conn.fetch_optional(query);
+            if self.pooler.passed() {
+                return self.conn.fetch_optional(query);
+            }
+            return Box::pin(async move {
+                self.pooler.ensure().await?;
+                self.conn.fetch_optional(query).await
+            });
         }
         Box::pin(async move {
             first_row(unnamed_in_transaction(self.conn, query, self.lock_wait).await?)

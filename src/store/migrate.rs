@@ -14,6 +14,7 @@
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::exec::On;
+use super::pooler::CHECKED;
 use super::schema::Schema;
 use crate::error::{Error, Result};
 
@@ -192,6 +193,7 @@ async fn applied_versions(
     let fresh: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
         .bind(schema.render("{s}.leasehold_migrations"))
         .fetch_one(On {
+            pooler: &CHECKED,
             conn: &mut *conn,
             pooled,
             lock_wait: None,
@@ -203,6 +205,7 @@ async fn applied_versions(
     Ok(
         sqlx::query_scalar(&schema.render("SELECT version FROM {s}.leasehold_migrations"))
             .fetch_all(On {
+                pooler: &CHECKED,
                 conn: &mut *conn,
                 pooled,
                 lock_wait: None,
@@ -224,6 +227,7 @@ async fn schema_exists(conn: &mut PgConnection, schema: &Schema, pooled: bool) -
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
             .bind(schema.name())
             .fetch_one(On {
+                pooler: &CHECKED,
                 conn: &mut *conn,
                 pooled,
                 lock_wait: None,
@@ -267,6 +271,7 @@ async fn apply(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result
     sqlx::query(LOCK)
         .bind(schema.name())
         .execute(On {
+            pooler: &CHECKED,
             conn: &mut tx,
             pooled,
             lock_wait: None,
@@ -277,6 +282,7 @@ async fn apply(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result
     if !schema_exists(&mut tx, schema, pooled).await? {
         sqlx::query(&schema.render("CREATE SCHEMA IF NOT EXISTS {s}"))
             .execute(On {
+                pooler: &CHECKED,
                 conn: &mut tx,
                 pooled,
                 lock_wait: None,
@@ -287,6 +293,7 @@ async fn apply(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result
     if applied.is_empty() {
         sqlx::query(&schema.render(VERSION_TABLE))
             .execute(On {
+                pooler: &CHECKED,
                 conn: &mut tx,
                 pooled,
                 lock_wait: None,
@@ -294,6 +301,7 @@ async fn apply(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result
             .await?;
         sqlx::Executor::execute(
             On {
+                pooler: &CHECKED,
                 conn: &mut tx,
                 pooled,
                 lock_wait: None,
@@ -308,6 +316,7 @@ async fn apply(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result
         // (a rustc higher-ranked lifetime limitation), and callers spawn `migrate()`.
         sqlx::Executor::execute(
             On {
+                pooler: &CHECKED,
                 conn: &mut tx,
                 pooled,
                 lock_wait: None,
@@ -320,6 +329,7 @@ async fn apply(conn: &mut PgConnection, schema: &Schema, pooled: bool) -> Result
             .bind(version)
             .bind(description)
             .execute(On {
+                pooler: &CHECKED,
                 conn: &mut tx,
                 pooled,
                 lock_wait: None,

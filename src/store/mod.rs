@@ -31,6 +31,7 @@ mod migrate;
 mod operator;
 mod pause;
 mod periodic;
+pub(crate) mod pooler;
 mod progress;
 mod reap;
 mod retention;
@@ -169,6 +170,9 @@ struct Inner {
     /// What this process's retention passes learned (where the jobs scan resumes, jobs
     /// too big to delete at once): shared by every store derived from this one.
     retention: Arc<retention::Memory>,
+    /// Whether the pool goes through a transaction-mode pooler it was not told of
+    /// (see `pooler`): shared by every store derived from this one.
+    pooler: Arc<pooler::PoolerCheck>,
 }
 
 impl Store {
@@ -176,6 +180,7 @@ impl Store {
     pub fn new(pool: PgPool, schema: &str, options: StoreOptions) -> Result<Self> {
         let schema = Schema::new(schema)?;
         let sql = Statements::render(&schema);
+        let pooler = Arc::new(pooler::PoolerCheck::new(&pool, options.transaction_pooler));
         Ok(Store {
             inner: Arc::new(Inner {
                 pool,
@@ -186,6 +191,7 @@ impl Store {
                 lock_wait: None,
                 kinds: Arc::default(),
                 retention: Arc::default(),
+                pooler,
             }),
         })
     }
@@ -204,11 +210,10 @@ impl Store {
     /// later statement would fail with protocol errors (`prepared statement "sqlx_s_1"
     /// already exists`, an unexpected `NotificationResponse`). It refuses then with
     /// [`Error::Config`](crate::Error::Config) for `store.transaction_pooler`, before it
-    /// has changed anything.
+    /// has changed anything. A store that is never migrated makes the same check before
+    /// its first statement, and refuses every call so.
     pub async fn migrate(&self) -> Result<()> {
-        if !self.options().transaction_pooler {
-            refuse_transaction_pooler(&self.inner.pool).await?;
-        }
+        self.inner.pooler.ensure().await?;
         migrate::migrate(
             &self.inner.pool,
             &self.inner.schema,
@@ -221,6 +226,7 @@ impl Store {
     /// records the versions it applies, so a later `migrate` finds nothing to do).
     /// Reads which versions are applied; changes nothing.
     pub async fn migration_script(&self) -> Result<String> {
+        self.inner.pooler.ensure().await?;
         migrate::script(
             &self.inner.pool,
             &self.inner.schema,
@@ -253,6 +259,7 @@ impl Store {
                 lock_wait,
                 kinds,
                 retention: i.retention.clone(),
+                pooler: i.pooler.clone(),
             }),
         }
     }
@@ -317,6 +324,7 @@ impl Store {
     pub(crate) fn db(&self) -> exec::Db<'_> {
         exec::Db {
             pool: &self.inner.pool,
+            pooler: &self.inner.pooler,
             pooled: self.inner.options.transaction_pooler,
             lock_wait: self.pooled_lock_wait(),
         }
@@ -324,9 +332,10 @@ impl Store {
 
     /// `conn` (a pooled connection, or the caller's transaction) as the executor a
     /// statement of the store runs on (see `exec`).
-    pub(crate) fn on<'c>(&self, conn: &'c mut sqlx::PgConnection) -> exec::On<'c> {
+    pub(crate) fn on<'c>(&'c self, conn: &'c mut sqlx::PgConnection) -> exec::On<'c> {
         exec::On {
             conn,
+            pooler: &self.inner.pooler,
             pooled: self.inner.options.transaction_pooler,
             lock_wait: self.pooled_lock_wait(),
         }
@@ -339,122 +348,6 @@ impl Store {
     pub(crate) fn wakeups(&self) -> &wakeups::Wakeups {
         &self.inner.wakeups
     }
-}
-
-/// Rounds of [`sessions_are_shared`]: a pooler that hands out the server connection
-/// freed last or first is caught by the second round; one that picks at random, with
-/// probability 1 - 2^-(rounds - 1) or better.
-const POOLER_PROBES: usize = 6;
-
-/// How long [`refuse_transaction_pooler`] may take (two connects and six rounds of short
-/// queries). A pooler with no server connection free makes it wait; it is then left
-/// undecided, rather than failing a start that may well work.
-const POOLER_PROBE_WAIT: Duration = Duration::from_secs(10);
-
-/// Refuse a pool that goes through a transaction-mode pooler (PgBouncer `pool_mode =
-/// transaction`, or a managed pooler that behaves like it) while
-/// [`StoreOptions::transaction_pooler`] is off, with one error that says what to set.
-///
-/// How it tells: two client connections made with the pool's options each open a
-/// transaction and ask `pg_backend_pid()`, then end them in alternating order,
-/// [`POOLER_PROBES`] rounds (see [`sessions_are_shared`]). Straight to PostgreSQL, or
-/// through a session-mode pooler, a client connection keeps one server session for its
-/// whole life: each always gets the same pid, and the two pids differ. Behind a
-/// transaction pooler the server connection goes back to the pool after every
-/// transaction, so the next one may run on another. So the verdict "pooler" is never
-/// wrong, and no timing is involved. Other ways
-/// were weighed and are weaker: `SHOW` differs between poolers (PgBouncer answers its
-/// own only on its admin console); a session `SET` read back stays on the server
-/// connection that ran it, for whichever client gets that next; a prepared-statement
-/// probe fails only when two clients' statements happen to meet on one server
-/// connection. The probe sends simple-protocol queries only (no named statement, which
-/// could itself collide) on connections of its own, closed before this returns.
-async fn refuse_transaction_pooler(pool: &PgPool) -> Result<()> {
-    use sqlx::Connection;
-    let options = pool.connect_options();
-    let probe = async {
-        let mut a = sqlx::PgConnection::connect_with(&options).await?;
-        let mut b = sqlx::PgConnection::connect_with(&options).await?;
-        let verdict = sessions_are_shared(&mut a, &mut b).await;
-        let _ = a.close().await;
-        let _ = b.close().await;
-        verdict
-    };
-    match tokio::time::timeout(POOLER_PROBE_WAIT, probe).await {
-        Ok(Ok(false)) => Ok(()),
-        Ok(Ok(true)) => Err(crate::Error::Config {
-            field: "store.transaction_pooler",
-            reason: "the database connection goes through a transaction-mode pooler \
-                (PgBouncer `pool_mode = transaction` or alike: one client connection's \
-                statements ran on different server sessions, or two client connections \
-                on one), where leasehold's statements fail (`prepared statement \
-                \"sqlx_s_1\" already exists`, notifications arriving on another client's \
-                connection). Set `store.transaction_pooler = true` \
-                (LEASEHOLD_STORE__TRANSACTION_POOLER=true through \
-                `Config::set_from_env(\"LEASEHOLD\")`; `StoreOptions::transaction_pooler` \
-                for a `Store` of its own; `--transaction-pooler` for the operator CLI) and \
-                `listen_url` to a URL straight to PostgreSQL (LEASEHOLD_LISTEN_URL; \
-                without it new jobs are found by polling), or connect straight to \
-                PostgreSQL or to a session-mode pool. See the README's \"Behind PgBouncer \
-                in transaction mode\"."
-                .into(),
-        }),
-        Ok(Err(e)) => Err(e.into()),
-        Err(_) => {
-            tracing::warn!(
-                "leasehold could not tell within {POOLER_PROBE_WAIT:?} whether the pool goes \
-                 through a transaction-mode pooler; going on as configured (direct)"
-            );
-            Ok(())
-        }
-    }
-}
-
-/// Whether `a` and `b` do not each keep a server session of their own (see
-/// [`refuse_transaction_pooler`]).
-///
-/// Each round opens a transaction on both (so both hold a server session at once: two
-/// sessions either way), reads each one's backend, and ends them in turn, first `a`'s,
-/// then, the next round, first `b`'s. A pooler gives the next transaction the server
-/// connection freed last (PgBouncer's default), or the one freed first (its
-/// `server_round_robin`), or one at random: in one order or the other, a client gets a
-/// server the other client (or someone else) used, and its backend changes. Two clients
-/// merely taking turns is not enough: with round-robin each lands on "its" server every
-/// time and looks direct.
-async fn sessions_are_shared(
-    a: &mut sqlx::PgConnection,
-    b: &mut sqlx::PgConnection,
-) -> std::result::Result<bool, sqlx::Error> {
-    // A bare `&str` without arguments goes as a simple Query message: no named
-    // statement. (`raw_sql(..).fetch_one` does the same, but makes `migrate`'s future
-    // fail to be `Send` for every lifetime, so `tokio::spawn(store.migrate())` would not
-    // compile.)
-    async fn backend_in_tx(conn: &mut sqlx::PgConnection) -> std::result::Result<i32, sqlx::Error> {
-        use sqlx::Row;
-        sqlx::Executor::execute(&mut *conn, "BEGIN").await?;
-        sqlx::Executor::fetch_one(conn, "SELECT pg_backend_pid()")
-            .await?
-            .try_get(0)
-    }
-    async fn end(conn: &mut sqlx::PgConnection) -> std::result::Result<(), sqlx::Error> {
-        sqlx::Executor::execute(conn, "COMMIT").await.map(|_| ())
-    }
-    let (mut a_pid, mut b_pid) = (None, None);
-    for round in 0..POOLER_PROBES {
-        let pa = backend_in_tx(a).await?;
-        let pb = backend_in_tx(b).await?;
-        if round % 2 == 0 {
-            end(a).await?;
-            end(b).await?;
-        } else {
-            end(b).await?;
-            end(a).await?;
-        }
-        if pa == pb || *a_pid.get_or_insert(pa) != pa || *b_pid.get_or_insert(pb) != pb {
-            return Ok(true);
-        }
-    }
-    Ok(false)
 }
 
 /// Every statement, rendered once for the schema. sqlx prepares each on first use per

@@ -53,15 +53,24 @@ impl DbClock {
         // Column defaults were bound to the built-in functions when the tables were
         // created: point them at the test's, so every time the schema writes is read
         // from one clock (retention, say, compares `enqueued_at` with `clock_timestamp()`).
+        // The catalogs are read for this schema's tables only, and each default is
+        // deparsed in the loop's body, never in a filter the planner may run first:
+        // deparsing a default of another test's table while that test drops its schema
+        // fails ("cache lookup failed for function"), which `information_schema.columns`
+        // (deparsing every default in the database) ran into.
         sql.push_str(&format!(
-            "DO $do$ DECLARE r record; BEGIN
-               FOR r IN SELECT table_name, column_name, column_default
-                        FROM information_schema.columns
-                        WHERE table_schema = '{t}'
-                          AND column_default ~ '(now|clock_timestamp)[(][)]' LOOP
+            "DO $do$ DECLARE r record; def text; BEGIN
+               FOR r IN SELECT c.relname, a.attname, d.adbin, d.adrelid
+                        FROM pg_catalog.pg_attrdef d
+                        JOIN pg_catalog.pg_class c ON c.oid = d.adrelid
+                        JOIN pg_catalog.pg_attribute a
+                          ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+                        WHERE c.relnamespace = '{t}'::regnamespace LOOP
+                 def := pg_catalog.pg_get_expr(r.adbin, r.adrelid);
+                 CONTINUE WHEN def !~ '(now|clock_timestamp)[(][)]';
                  EXECUTE format('ALTER TABLE %I.%I ALTER COLUMN %I SET DEFAULT %s',
-                   '{t}', r.table_name, r.column_name,
-                   replace(replace(r.column_default, 'clock_timestamp()', '{s}.clock_timestamp()'),
+                   '{t}', r.relname, r.attname,
+                   replace(replace(def, 'clock_timestamp()', '{s}.clock_timestamp()'),
                            'now()', '{s}.now()'));
                END LOOP;
              END $do$;",
