@@ -25,7 +25,6 @@ impl Handler for Noop {
     }
 }
 
-#[ignore = "open (issue 30 note): the reap writes its job_events rows in the same statement as the state change, so a history table that refuses inserts stops reaping"]
 #[test]
 fn a_lease_of_a_dead_process_is_taken_back_while_history_writes_fail() {
     run_in_system(async {

@@ -227,9 +227,12 @@ counters! {
     listener_reconnects,
     /// Database errors seen by actors (each retried or left to the lease).
     db_errors,
-    /// Informational writes that failed (the scheduler's heartbeat row): nothing of the
-    /// protocol waits on them, so they are only counted, logged once per distinct error
-    /// and shown in [`MetricsSnapshot::informational_error`].
+    /// Informational writes that failed: the scheduler's heartbeat row (shown in
+    /// [`MetricsSnapshot::informational_error`]), and history rows a protocol call went
+    /// on without (shown in [`MetricsSnapshot::history_error`]; see
+    /// [`HISTORY_RETRY_AFTER`](crate::store::HISTORY_RETRY_AFTER)). Nothing of the
+    /// protocol waits on them, so they are only counted and logged once per distinct
+    /// error.
     informational_write_failures,
 }
 
@@ -251,6 +254,17 @@ pub struct Metrics {
     pub(crate) ready: AtomicU64,
     /// The latest informational write's error, until one succeeds again.
     informational: std::sync::Mutex<Option<String>>,
+    /// The latest history refusal's error, until history is written again.
+    history: std::sync::Mutex<Option<String>>,
+}
+
+impl crate::store::HistorySink for Metrics {
+    fn history(&self, error: Option<&str>) {
+        if error.is_some() {
+            self.incr(|c| &c.informational_write_failures);
+        }
+        *self.history.lock().unwrap_or_else(|p| p.into_inner()) = error.map(str::to_string);
+    }
 }
 
 impl Metrics {
@@ -333,6 +347,11 @@ impl Metrics {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
+            history_error: self
+                .history
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             claim_latency: self.claim_latency.summary(),
             enqueue_to_start: self.start_latency.summary(),
             claim_histogram: self.claim_latency.snapshot(),
@@ -359,6 +378,11 @@ pub struct MetricsSnapshot {
     /// they fail; `None` when the latest succeeded. Jobs, leases and retention never wait
     /// on these writes.
     pub informational_error: Option<String>,
+    /// The latest refusal of the history table (`job_events`), while it lasts: the
+    /// calls that met it went on without their history rows, and history is tried again
+    /// every [`HISTORY_RETRY_AFTER`](crate::store::HISTORY_RETRY_AFTER); `None` once it
+    /// is written again.
+    pub history_error: Option<String>,
     /// Time of claim statements.
     pub claim_latency: LatencySummary,
     /// Database time from enqueue (or run-at) to claim, first attempts only.

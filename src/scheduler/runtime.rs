@@ -318,6 +318,7 @@ fn build(
 ) -> Started {
     let owner = side.owner.clone();
     let metrics = Arc::new(Metrics::default());
+    host_store.report_history_to(metrics.clone());
     // The writer's lock waits are bounded (see `SidePools::writer`): by its sessions'
     // setting, or behind a transaction pooler by each of its transactions.
     let store = host_store

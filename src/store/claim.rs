@@ -218,7 +218,7 @@ macro_rules! bind_claim {
             .bind($req.owner.as_str())
             .bind($req.at)
             .bind(secs($req.lease))
-            .bind($store.options().full_history)
+            .bind($store.full_history())
             .bind($req.first_over_budget)
             .bind(capped)
             .bind(caps)
@@ -246,6 +246,11 @@ impl Store {
         if req.limit <= 0 || req.queues.is_empty() {
             return Ok((Vec::new(), Instant::now()));
         }
+        self.unless_history_refused("claim", || self.claim_once(req))
+            .await
+    }
+
+    async fn claim_once(&self, req: &ClaimRequest) -> Result<(Vec<ClaimedJob>, Instant)> {
         let mut conn = self.pool().acquire().await?;
         let sent = Instant::now();
         let rows = bind_claim!(sqlx::query(&self.sql().claim), req, self)
@@ -373,6 +378,21 @@ impl Store {
         lease: Duration,
         at: Option<DateTime<Utc>>,
     ) -> Result<Option<(ClaimedJob, Instant)>> {
+        self.unless_history_refused("claim_key", || {
+            self.claim_key_once(owner, queue, key, kinds, lease, at)
+        })
+        .await
+    }
+
+    async fn claim_key_once(
+        &self,
+        owner: &OwnerId,
+        queue: &str,
+        key: &str,
+        kinds: Option<&[String]>,
+        lease: Duration,
+        at: Option<DateTime<Utc>>,
+    ) -> Result<Option<(ClaimedJob, Instant)>> {
         let mut conn = self.pool().acquire().await?;
         let sent = Instant::now();
         let row = sqlx::query(&self.sql().claim_key)
@@ -382,7 +402,7 @@ impl Store {
             .bind(owner.as_str())
             .bind(at)
             .bind(secs(lease))
-            .bind(self.options().full_history)
+            .bind(self.full_history())
             .fetch_optional(self.on(&mut conn))
             .await?;
         row.map(|r| Ok((claimed_from_row(&r, owner)?, sent)))

@@ -179,13 +179,32 @@ impl Store {
         fence: &Fence,
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome> {
+        let on = self.history_on();
+        let first = self.complete_once(conn, fence, &result).await;
+        match self.history_refused(on, first) {
+            Ok(done) => done,
+            Err(refused) => {
+                let second = self.complete_once(conn, fence, &result).await;
+                self.after_history_retry("complete", refused, second)
+            }
+        }
+    }
+
+    /// One try of [`Store::complete_on`], in a transaction (a savepoint inside the
+    /// caller's) of its own.
+    async fn complete_once(
+        &self,
+        conn: &mut PgConnection,
+        fence: &Fence,
+        result: &Option<serde_json::Value>,
+    ) -> Result<CompleteOutcome> {
         let mut tx = self.begin(conn).await?;
         let row = sqlx::query(&self.sql().complete)
             .bind(fence.job.0)
             .bind(fence.owner.as_str())
             .bind(fence.generation.0)
-            .bind(&result)
-            .bind(self.options().full_history)
+            .bind(result)
+            .bind(self.full_history())
             .fetch_optional(self.on(&mut tx))
             .await?;
         let Some(row) = row else {
@@ -296,6 +315,19 @@ impl Store {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
+        self.unless_history_refused("complete_keyed", || {
+            self.complete_keyed_once(owner, batch, chain, wait)
+        })
+        .await
+    }
+
+    async fn complete_keyed_once(
+        &self,
+        owner: &OwnerId,
+        batch: &[KeyedItem],
+        chain: Option<&Chain<'_>>,
+        wait: KeyWait,
+    ) -> Result<Vec<KeyedOutcome>> {
         let mut conn = self.pool().acquire().await?;
         let sent = Instant::now();
         let col = |f: fn(&KeyedItem) -> &str| batch.iter().map(f).collect::<Vec<&str>>();
@@ -315,7 +347,7 @@ impl Store {
             .bind(owner.as_str())
             .bind(chain.map(|c| c.kinds))
             .bind(chain.map(|c| secs(c.lease)).unwrap_or(0.0))
-            .bind(self.options().full_history)
+            .bind(self.full_history())
             .bind(self.schema().channel())
             .fetch_all(self.on(&mut conn))
             .await?;
@@ -394,13 +426,17 @@ impl Store {
         let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
         let gens: Vec<i64> = items.iter().map(|i| i.1 .0).collect();
         let results: Vec<Option<serde_json::Value>> = items.iter().map(|i| i.2.clone()).collect();
-        let done: HashSet<(i64, i64)> = sqlx::query_as(&self.sql().complete_unkeyed)
-            .bind(&ids)
-            .bind(&gens)
-            .bind(&results)
-            .bind(owner.as_str())
-            .bind(self.options().full_history)
-            .fetch_all(self.db())
+        let done: HashSet<(i64, i64)> = self
+            .unless_history_refused("complete", || async {
+                Ok(sqlx::query_as(&self.sql().complete_unkeyed)
+                    .bind(&ids)
+                    .bind(&gens)
+                    .bind(&results)
+                    .bind(owner.as_str())
+                    .bind(self.full_history())
+                    .fetch_all(self.db())
+                    .await?)
+            })
             .await?
             .into_iter()
             .collect();

@@ -50,7 +50,7 @@ WITH t AS MATERIALIZED (
     SELECT id, generation,
            CASE state WHEN 'dead' THEN 'dead' WHEN 'cancelled' THEN 'cancelled' ELSE 'failed' END,
            $2, (SELECT now FROM t), $4
-    FROM u
+    FROM u WHERE $10
 )
 SELECT * FROM u"#;
 
@@ -68,7 +68,7 @@ WITH u AS (
     RETURNING id, generation, available_at, snoozes
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
-    SELECT id, generation, 'snoozed', $2, clock_timestamp(), $6 FROM u
+    SELECT id, generation, 'snoozed', $2, clock_timestamp(), $6 FROM u WHERE $7
 )
 SELECT available_at FROM u"#;
 
@@ -101,7 +101,7 @@ WITH c AS (
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
     SELECT id, generation, CASE WHEN state = 'cancelled' THEN 'cancelled' ELSE 'released' END,
-           $3, clock_timestamp(), $4 FROM u
+           $3, clock_timestamp(), $4 FROM u WHERE $6
 )
 SELECT id, queue, job_key, state,
        (SELECT count(pg_notify($5, left(q.queue, 1000)))
@@ -132,6 +132,16 @@ impl Store {
         failure: &Failure,
         backoff: &Backoff,
     ) -> Result<FailOutcome> {
+        self.unless_history_refused("fail", || self.fail_once(fence, failure, backoff))
+            .await
+    }
+
+    async fn fail_once(
+        &self,
+        fence: &Fence,
+        failure: &Failure,
+        backoff: &Backoff,
+    ) -> Result<FailOutcome> {
         let reason = sanitize_error_text(&failure.reason);
         let mut conn = self.pool().acquire().await?;
         let mut tx = self.begin(&mut conn).await?;
@@ -145,6 +155,7 @@ impl Store {
             .bind(secs(backoff.cap))
             .bind(backoff.jitter)
             .bind(failure.retry_after.map(|d| secs(d.min(super::MAX_DELAY))))
+            .bind(self.history_on())
             .fetch_optional(self.on(&mut tx))
             .await?;
         let Some(row) = row else {
@@ -188,15 +199,19 @@ impl Store {
     ) -> Result<Option<DateTime<Utc>>> {
         let delay = delay.min(super::MAX_DELAY);
         let detail = format!("snoozed for {}", humantime::format_duration(delay));
-        Ok(sqlx::query_scalar(&self.sql().snooze)
-            .bind(fence.job.0)
-            .bind(fence.owner.as_str())
-            .bind(fence.generation.0)
-            .bind(secs(delay))
-            .bind(i32::try_from(max_snoozes).unwrap_or(i32::MAX))
-            .bind(detail)
-            .fetch_optional(self.db())
-            .await?)
+        self.unless_history_refused("snooze", || async {
+            Ok(sqlx::query_scalar(&self.sql().snooze)
+                .bind(fence.job.0)
+                .bind(fence.owner.as_str())
+                .bind(fence.generation.0)
+                .bind(secs(delay))
+                .bind(i32::try_from(max_snoozes).unwrap_or(i32::MAX))
+                .bind(&detail)
+                .bind(self.history_on())
+                .fetch_optional(self.db())
+                .await?)
+        })
+        .await
     }
 
     /// Give jobs back without counting the attempt (graceful shutdown): pending and
@@ -212,6 +227,16 @@ impl Store {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
+        self.unless_history_refused("release", || self.release_once(owner, jobs, reason))
+            .await
+    }
+
+    async fn release_once(
+        &self,
+        owner: &OwnerId,
+        jobs: &[(JobId, Generation)],
+        reason: &str,
+    ) -> Result<Vec<JobId>> {
         let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
         let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
         let mut conn = self.pool().acquire().await?;
@@ -222,6 +247,7 @@ impl Store {
             .bind(owner.as_str())
             .bind(sanitize_error_text(reason))
             .bind(self.schema().channel())
+            .bind(self.history_on())
             .fetch_all(self.on(&mut tx))
             .await?;
         let mut released = Vec::with_capacity(rows.len());

@@ -112,7 +112,7 @@ impl Store {
         let rows = sqlx::query(&self.sql().promote)
             .bind(&queues)
             .bind(&names)
-            .bind(self.options().full_history)
+            .bind(self.full_history())
             .bind(self.schema().channel())
             .bind(&wanted)
             .bind(chain.map(|c| c.owner.as_str()))

@@ -18,6 +18,9 @@ mod enqueue;
 mod exec;
 pub use enqueue::MAX_DELAY;
 mod fail;
+mod history;
+pub(crate) use history::HistorySink;
+pub use history::HISTORY_RETRY_AFTER;
 mod input;
 pub(crate) use input::{
     check_effect_key, check_json, check_name, to_json, unstorable_json, JsonLimit,
@@ -173,6 +176,9 @@ struct Inner {
     /// Whether the pool goes through a transaction-mode pooler it was not told of
     /// (see `pooler`): shared by every store derived from this one.
     pooler: Arc<pooler::PoolerCheck>,
+    /// Whether history rows are written now (see `history`): shared by every store
+    /// derived from this one.
+    history: Arc<history::History>,
 }
 
 impl Store {
@@ -192,6 +198,7 @@ impl Store {
                 kinds: Arc::default(),
                 retention: Arc::default(),
                 pooler,
+                history: Arc::default(),
             }),
         })
     }
@@ -260,6 +267,7 @@ impl Store {
                 kinds,
                 retention: i.retention.clone(),
                 pooler: i.pooler.clone(),
+                history: i.history.clone(),
             }),
         }
     }

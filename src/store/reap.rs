@@ -91,7 +91,7 @@ WITH c AS (
     SELECT id, generation, 'reaped', $3, coalesce($1, now()),
            'lease of ' || old_owner || ' expired at ' || old_lease_until || '; now ' || state
            || CASE WHEN unstarted THEN ' (never started: not counted as an attempt)' ELSE '' END
-    FROM u
+    FROM u WHERE $9
 )
 SELECT id, state, queue, job_key, dead_blocks_key, unstarted,
        (SELECT count(pg_notify($7, left(q.queue, 1000))) FROM (SELECT DISTINCT queue FROM u WHERE state = 'pending') q) AS notified
@@ -128,6 +128,17 @@ impl Store {
         limit: i64,
         at: Option<DateTime<Utc>>,
     ) -> Result<ReapReport> {
+        self.unless_history_refused("reap", || self.reap_once(reaper, backoff, limit, at))
+            .await
+    }
+
+    async fn reap_once(
+        &self,
+        reaper: &OwnerId,
+        backoff: &Backoff,
+        limit: i64,
+        at: Option<DateTime<Utc>>,
+    ) -> Result<ReapReport> {
         let mut conn = self.pool().acquire().await?;
         let mut tx = conn.begin().await?;
         let rows = sqlx::query(&self.sql().reap)
@@ -139,6 +150,7 @@ impl Store {
             .bind(backoff.jitter)
             .bind(self.schema().channel())
             .bind(UNSTARTED_EXPIRIES_MAX)
+            .bind(self.history_on())
             .fetch_all(self.on(&mut tx))
             .await?;
         let mut report = ReapReport::default();
