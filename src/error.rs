@@ -165,12 +165,13 @@ impl From<sqlx::Error> for Error {
     /// the configuration error it is.
     fn from(e: sqlx::Error) -> Error {
         match e {
-            sqlx::Error::Configuration(inner)
-                if inner.is::<crate::store::pooler::PoolerRefused>() =>
-            {
-                Error::Config {
-                    field: crate::store::pooler::POOLER_FIELD,
-                    reason: crate::store::pooler::POOLER_REFUSED.into(),
+            sqlx::Error::Configuration(inner) => {
+                match inner.downcast::<crate::store::pooler::PoolerRefused>() {
+                    Ok(refused) => Error::Config {
+                        field: crate::store::pooler::POOLER_FIELD,
+                        reason: refused.0.into(),
+                    },
+                    Err(inner) => Error::Database(sqlx::Error::Configuration(inner)),
                 }
             }
             e => Error::Database(e),

@@ -237,6 +237,7 @@ pub(super) async fn start(
         Store::for_config(pool.clone(), &config)?.with_kind_policies(registry.policies());
     check_schedules(&config, &host_store, &mut schedules)?;
     host_store.migrate().await?;
+    host_store.check_history_grant().await?;
     let owner = OwnerId::generate();
     let (handler_runtime, handlers) = match config.handler_threads {
         Some(0) => (None, Handlers::SchedulerThread),

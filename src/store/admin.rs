@@ -216,7 +216,7 @@ impl Store {
 
     /// [`Store::hold`], recording `by` (who did it: a person, a tool) in the history.
     pub async fn hold_by(&self, id: JobId, by: &str) -> Result<()> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if job.state != JobState::Pending {
@@ -253,7 +253,7 @@ impl Store {
 
     /// [`Store::release_hold`], recording `by` in the history.
     pub async fn release_hold_by(&self, id: JobId, by: &str) -> Result<()> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if job.state != JobState::Held {
@@ -305,7 +305,7 @@ impl Store {
 
     /// [`Store::cancel`], recording `by` in the history.
     pub async fn cancel_by(&self, id: JobId, reason: &str, by: &str) -> Result<CancelOutcome> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if matches!(job.state, JobState::Done | JobState::Cancelled) {
@@ -406,7 +406,7 @@ impl Store {
 
     /// [`Store::retry_dead`], recording `by` in the history.
     pub async fn retry_dead_by(&self, id: JobId, by: &str) -> Result<()> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = conn.begin().await?;
         let job = self.lock_job(&mut tx, id).await?;
         if job.state != JobState::Dead {

@@ -251,7 +251,7 @@ impl Store {
     }
 
     async fn claim_once(&self, req: &ClaimRequest) -> Result<(Vec<ClaimedJob>, Instant)> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let sent = Instant::now();
         let rows = bind_claim!(sqlx::query(&self.sql().claim), req, self)
             .fetch_all(self.on(&mut conn))
@@ -270,7 +270,7 @@ impl Store {
     /// claimed. For operators checking that the claim index serves the claim on a large
     /// table.
     pub async fn explain_claim(&self, req: &ClaimRequest) -> Result<String> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = conn.begin().await?;
         for setting in FUNCTION_SETTINGS {
             sqlx::query(setting).execute(self.on(&mut tx)).await?;
@@ -393,7 +393,7 @@ impl Store {
         lease: Duration,
         at: Option<DateTime<Utc>>,
     ) -> Result<Option<(ClaimedJob, Instant)>> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let sent = Instant::now();
         let row = sqlx::query(&self.sql().claim_key)
             .bind(queue)

@@ -140,7 +140,7 @@ impl Store {
         fence: &Fence,
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         self.check_result(&result)?;
         self.complete_on(&mut conn, fence, result).await
     }
@@ -179,12 +179,13 @@ impl Store {
         fence: &Fence,
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome> {
-        let on = self.history_on();
+        let on = self.history_from();
         let first = self.complete_once(conn, fence, &result).await;
         match self.history_refused(on, first) {
             Ok(done) => done,
             Err(refused) => {
-                let second = self.complete_once(conn, fence, &result).await;
+                let second =
+                    super::history::without_history(self.complete_once(conn, fence, &result)).await;
                 self.after_history_retry("complete", refused, second)
             }
         }
@@ -328,7 +329,7 @@ impl Store {
         chain: Option<&Chain<'_>>,
         wait: KeyWait,
     ) -> Result<Vec<KeyedOutcome>> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let sent = Instant::now();
         let col = |f: fn(&KeyedItem) -> &str| batch.iter().map(f).collect::<Vec<&str>>();
         let ids: Vec<i64> = batch.iter().map(|k| k.item.0 .0).collect();
@@ -477,7 +478,7 @@ impl Store {
         if keyed > 0 {
             return Box::pin(self.complete_many(owner, rest)).await;
         }
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let pairs: Vec<(JobId, Generation)> = rest.iter().map(|i| (i.0, i.1)).collect();
         let mut back = self.completion_readback(&mut conn, owner, &pairs).await?;
         Ok(pairs
@@ -488,7 +489,7 @@ impl Store {
 
     /// Ask again after a lost reply: was this generation's completion committed?
     pub async fn completion_status(&self, fence: &Fence) -> Result<CompleteOutcome> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut back = self
             .completion_readback(&mut conn, &fence.owner, &[(fence.job, fence.generation)])
             .await?;

@@ -62,7 +62,7 @@ impl Store {
     /// existing job or by an earlier job of the load, are left out (not an error): the
     /// count is of the jobs written.
     pub async fn enqueue_copy(&self, jobs: Vec<NewJob>) -> Result<u64> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         self.copy_on(&mut conn, jobs, false).await
     }
 

@@ -284,7 +284,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let (in_flight, alone) = self.wakeups().begin();
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let (out, wakes) = self.write_resolving(&mut conn, jobs, alone).await?;
         drop(conn);
         drop(in_flight);

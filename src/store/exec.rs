@@ -159,6 +159,16 @@ pub(crate) async fn begin(
     }
 }
 
+/// The pooler check before a statement on `conn` (see `pooler`): on a caller's open
+/// transaction, one that does not keep an undecided verdict.
+async fn ensure_on(pooler: &PoolerCheck, conn: &PgConnection) -> Result<(), sqlx::Error> {
+    if PgTransactionManager::get_transaction_depth(conn) > 0 {
+        pooler.ensure_in_transaction().await
+    } else {
+        pooler.ensure().await
+    }
+}
+
 fn collected<'e>(fut: BoxFuture<'e, Result<Vec<Item>, sqlx::Error>>) -> BoxStream<'e, Item> {
     stream::once(fut)
         .map(|r| match r {
@@ -261,7 +271,7 @@ impl<'c> Executor<'c> for On<'c> {
                 return self.conn.fetch_many(query);
             }
             return collected(Box::pin(async move {
-                self.pooler.ensure().await?;
+                ensure_on(self.pooler, self.conn).await?;
                 Ok(self.conn.fetch_many(query).collect().await)
             }));
         }
@@ -285,7 +295,7 @@ impl<'c> Executor<'c> for On<'c> {
                 return self.conn.fetch_optional(query);
             }
             return Box::pin(async move {
-                self.pooler.ensure().await?;
+                ensure_on(self.pooler, self.conn).await?;
                 self.conn.fetch_optional(query).await
             });
         }

@@ -143,7 +143,7 @@ impl Store {
         backoff: &Backoff,
     ) -> Result<FailOutcome> {
         let reason = sanitize_error_text(&failure.reason);
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = self.begin(&mut conn).await?;
         let row = sqlx::query(&self.sql().fail)
             .bind(fence.job.0)
@@ -239,7 +239,7 @@ impl Store {
     ) -> Result<Vec<JobId>> {
         let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
         let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = self.begin(&mut conn).await?;
         let rows = sqlx::query(&self.sql().release)
             .bind(&ids)

@@ -17,6 +17,7 @@
 //! is their audit record, so when it cannot be written the action is refused with the
 //! database's error, which the operator sees, and nothing changes.
 
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -39,6 +40,10 @@ pub(crate) struct History {
     off_until: Mutex<Option<Instant>>,
     /// The latest refusal's text, until history is written again.
     last_error: Mutex<Option<String>>,
+    /// Refusals so far: a call that wrote history clears a refusal only if none came
+    /// while it ran (with some events refused and others not, a call writing the others
+    /// must not hide a refusal that came meanwhile).
+    refusals: AtomicU64,
     sink: OnceLock<Arc<dyn HistorySink>>,
 }
 
@@ -62,13 +67,10 @@ impl History {
             Some(Instant::now() + HISTORY_RETRY_AFTER);
     }
 
-    fn resume(&self) {
-        *self.off_until.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-
     /// A refusal confirmed (the same call went through without history): counted, logged
     /// when its text differs from the one before, told to the sink.
     fn refused(&self, what: &'static str, error: &Error) {
+        self.refusals.fetch_add(1, SeqCst);
         let text = error.to_string();
         let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
         if last.as_deref() != Some(text.as_str()) {
@@ -85,10 +87,12 @@ impl History {
         }
     }
 
-    /// A statement wrote its history after refusals: logged once, told to the sink.
-    fn written_again(&self) {
+    /// A call that began when `refusals` were counted wrote its history: after
+    /// refusals, and if none came since it began, logged once and told to the sink.
+    fn written_again(&self, refusals: u64) {
         let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
-        if last.take().is_some() {
+        if last.is_some() && self.refusals.load(SeqCst) == refusals {
+            *last = None;
             tracing::info!("leasehold writes job history again");
             if let Some(sink) = self.sink.get() {
                 sink.history(None);
@@ -103,17 +107,64 @@ fn refused_statement(e: &Error) -> bool {
     matches!(e, Error::Database(sqlx::Error::Database(_))) && !e.is_transient()
 }
 
+tokio::task_local! {
+    /// Set while a call is tried again without history: only that call's statements
+    /// leave their rows out, never another call's running meanwhile.
+    static WITHOUT_HISTORY: ();
+}
+
+/// Run `call` with its history rows left out (see [`WITHOUT_HISTORY`]).
+pub(crate) async fn without_history<T>(call: impl std::future::Future<Output = T>) -> T {
+    WITHOUT_HISTORY.scope((), call).await
+}
+
 impl Store {
     /// Whether this store's statements write the history rows that are always recorded
-    /// (failures, expiries, releases, snoozes) now.
+    /// (failures, expiries, releases, snoozes) now: not inside a retry without history,
+    /// nor while history is paused after a refusal.
     pub(crate) fn history_on(&self) -> bool {
-        self.inner.history.on()
+        WITHOUT_HISTORY.try_with(|_| ()).is_err() && self.inner.history.on()
     }
 
     /// Whether this store's statements write `claimed`, `completed` and `promoted` rows
     /// now ([`StoreOptions::full_history`](super::StoreOptions::full_history)).
     pub(crate) fn full_history(&self) -> bool {
         self.options().full_history && self.history_on()
+    }
+
+    /// Refuse to start a scheduler whose role may not insert history rows. PostgreSQL
+    /// checks a statement's privileges before it runs, so a protocol statement that
+    /// holds a history insert is refused for a missing grant even when it would insert
+    /// no row, and sending it again without history rows cannot help: without the grant,
+    /// every claim and ending would fail. [`Error::Config`] for `grants`, naming the
+    /// table and the grants to give.
+    pub(crate) async fn check_history_grant(&self) -> Result<()> {
+        let table = self.schema().render("{s}.job_events");
+        let granted: bool =
+            sqlx::query_scalar("SELECT has_table_privilege(current_user, $1::regclass, 'INSERT')")
+                .bind(&table)
+                .fetch_one(self.db())
+                .await?;
+        if granted {
+            return Ok(());
+        }
+        Err(Error::Config {
+            field: "grants",
+            reason: format!(
+                "the role this scheduler connects as may not insert into {table}: every claim \
+                 and ending writes its history there, and PostgreSQL refuses a statement for a \
+                 missing grant before it runs. Give the role \
+                 `leasehold::store::runtime_grants` (the README's \"Running with least \
+                 privilege\")"
+            ),
+        })
+    }
+
+    /// [`Store::history_on`], with the refusals counted so far when it is on (for
+    /// [`Store::history_refused`]).
+    pub(crate) fn history_from(&self) -> Option<u64> {
+        let refusals = self.inner.history.refusals.load(SeqCst);
+        self.history_on().then_some(refusals)
     }
 
     /// Tell `sink` of this store's history refusals (a scheduler's metrics).
@@ -123,8 +174,8 @@ impl Store {
 
     /// Run `call` (one protocol call, whole: it binds [`Store::history_on`] and
     /// [`Store::full_history`] when it runs) and, if the database refused it, once more
-    /// with history left out (see the module docs). `call` must leave nothing written
-    /// when it fails: one statement, or one transaction (or savepoint) of its own.
+    /// with its history left out (see the module docs). `call` must leave nothing
+    /// written when it fails: one statement, or one transaction (or savepoint) of its own.
     pub(crate) async fn unless_history_refused<T, F, Fut>(
         &self,
         what: &'static str,
@@ -134,33 +185,29 @@ impl Store {
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        let on = self.history_on();
+        let on = self.history_from();
         let first = call().await;
         match self.history_refused(on, first) {
             Ok(done) => done,
-            Err(refused) => self.after_history_retry(what, refused, call().await),
+            Err(refused) => self.after_history_retry(what, refused, without_history(call()).await),
         }
     }
 
     /// The first try of a protocol call, made with history `on` (as
-    /// [`Store::history_on`] said just before it): `Ok(its result)` to return, or
-    /// `Err(its error)` when it should be tried once more without history, which is then
-    /// paused. (The two halves of [`Store::unless_history_refused`], for a call on a
-    /// borrowed connection that a closure cannot hand out twice.)
+    /// [`Store::history_from`] said just before it): `Ok(its result)` to return, or
+    /// `Err(its error)` when it should be tried once more inside [`without_history`].
+    /// (The two halves of [`Store::unless_history_refused`], for a call on a borrowed
+    /// connection that a closure cannot hand out twice.)
     pub(crate) fn history_refused<T>(
         &self,
-        on: bool,
+        on: Option<u64>,
         first: Result<T>,
     ) -> std::result::Result<Result<T>, Error> {
-        let history = &self.inner.history;
         match first {
-            Err(e) if on && refused_statement(&e) => {
-                history.pause();
-                Err(e)
-            }
+            Err(e) if on.is_some() && refused_statement(&e) => Err(e),
             Ok(v) => {
-                if on {
-                    history.written_again();
+                if let Some(refusals) = on {
+                    self.inner.history.written_again(refusals);
                 }
                 Ok(Ok(v))
             }
@@ -168,23 +215,21 @@ impl Store {
         }
     }
 
-    /// The second try, without history, of a call whose first try was `refused`.
+    /// The second try, without history, of a call whose first try was `refused`: if it
+    /// went through, history was what the database refused, and it is paused.
     pub(crate) fn after_history_retry<T>(
         &self,
         what: &'static str,
         refused: Error,
         second: Result<T>,
     ) -> Result<T> {
-        let history = &self.inner.history;
         match second {
             Ok(v) => {
-                history.refused(what, &refused);
+                self.inner.history.pause();
+                self.inner.history.refused(what, &refused);
                 Ok(v)
             }
-            Err(_) => {
-                history.resume();
-                Err(refused)
-            }
+            Err(_) => Err(refused),
         }
     }
 }

@@ -201,7 +201,8 @@ impl Store {
     async fn list_upto(&self, filter: &JobFilter, upto: i64) -> Result<Vec<JobRecord>> {
         filter.check()?;
         let sql = self.list_sql(filter, upto < i64::MAX);
-        let mut tx = self.pool().begin().await?;
+        let mut conn = self.acquire().await?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         sqlx::raw_sql(GAUGE_SETTINGS).execute(&mut *tx).await?;
         let rows = list_query(&sql, filter, upto)
             .fetch_all(self.on(&mut tx))
@@ -217,7 +218,8 @@ impl Store {
             "EXPLAIN (ANALYZE, BUFFERS) {}",
             self.list_sql(filter, false)
         );
-        let mut tx = self.pool().begin().await?;
+        let mut conn = self.acquire().await?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         sqlx::raw_sql(GAUGE_SETTINGS).execute(&mut *tx).await?;
         let lines: Vec<String> = list_query(&sql, filter, i64::MAX)
             .fetch_all(self.on(&mut tx))

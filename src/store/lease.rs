@@ -98,7 +98,7 @@ impl Store {
         let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
         let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
         let started: Vec<bool> = jobs.iter().map(|j| j.2).collect();
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let sent = std::time::Instant::now();
         let rows = sqlx::query(&self.sql().renew)
             .bind(&ids)

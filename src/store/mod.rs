@@ -313,6 +313,19 @@ impl Store {
             .filter(|_| self.inner.options.transaction_pooler)
     }
 
+    /// A connection of this store's pool for a transaction (or statements) of its own,
+    /// once the pool is known not to go through an untold transaction pooler (see
+    /// `pooler`): asked before the store begins anything on it, since behind such a
+    /// pooler the store's own open transaction would hold the server connection the
+    /// check needs. (Taken first: a client connection holds no server connection until
+    /// it sends a statement, and a database that is down fails the call here, before a
+    /// probe could mistake the wait for an undecided pooler.)
+    pub(crate) async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>> {
+        let conn = self.inner.pool.acquire().await?;
+        self.inner.pooler.ensure().await?;
+        Ok(conn)
+    }
+
     /// The pool this store's statements run on.
     pub fn pool(&self) -> &PgPool {
         &self.inner.pool

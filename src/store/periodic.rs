@@ -91,7 +91,7 @@ impl Store {
         looked: Option<DateTime<Utc>>,
     ) -> Result<Fired> {
         let spec = p.spec();
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = conn.begin().await?;
         sqlx::query(&self.schema().render(REGISTER))
             .bind(p.name())

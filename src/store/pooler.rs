@@ -53,12 +53,13 @@ impl std::fmt::Debug for PoolerCheck {
 /// The refusal, carried through sqlx's error type out of the store's executors (see
 /// `exec`) and turned into [`Error::Config`](crate::Error::Config) for
 /// `store.transaction_pooler` by `From<sqlx::Error>`.
+/// Holds the reason: [`POOLER_REFUSED`], or [`POOLER_UNDECIDED_IN_TRANSACTION`].
 #[derive(Debug)]
-pub(crate) struct PoolerRefused;
+pub(crate) struct PoolerRefused(pub &'static str);
 
 impl std::fmt::Display for PoolerRefused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(POOLER_REFUSED)
+        f.write_str(self.0)
     }
 }
 
@@ -88,6 +89,15 @@ pub(crate) static CHECKED: PoolerCheck = PoolerCheck {
     verdict: OnceCell::const_new(),
 };
 
+/// Why a call on a caller's open transaction is refused when the check could not tell.
+pub(crate) const POOLER_UNDECIDED_IN_TRANSACTION: &str = "leasehold could not tell within \
+    10 s whether the database connection goes through a transaction-mode pooler, while the \
+    caller's transaction was open: behind such a pooler with one server connection free, \
+    that transaction holds it and the check waits for it. Nothing was written. Make one call \
+    outside a transaction first (`Store::migrate` does; the verdict is kept for the store), \
+    or set `store.transaction_pooler = true` if the pool goes through a transaction-mode \
+    pooler. See the README's \"Behind PgBouncer in transaction mode\"";
+
 impl PoolerCheck {
     pub(crate) fn new(pool: &PgPool, told: bool) -> PoolerCheck {
         PoolerCheck {
@@ -105,31 +115,62 @@ impl PoolerCheck {
 
     /// Probe once (concurrent first callers wait for the one probe), then answer from
     /// the verdict: `Err(Configuration(PoolerRefused))` behind an untold pooler. A probe
-    /// that could not connect decides nothing and is tried again by the next call.
+    /// that could not connect decides nothing and is tried again by the next call, and
+    /// its error is the call's; one refused for the role's or the server's connection
+    /// limit (the pool may use every connection the role has) is undecided.
     pub(crate) async fn ensure(&self) -> Result<(), sqlx::Error> {
+        self.ensure_with(false).await
+    }
+
+    /// [`PoolerCheck::ensure`] for a statement on a caller's open transaction. A probe
+    /// that cannot tell within [`POOLER_PROBE_WAIT`] is not kept then: behind a pooler
+    /// with one server connection, the caller's own transaction holds it, and the
+    /// probe's transactions wait for it until the caller ends. The call is refused
+    /// ([`POOLER_UNDECIDED_IN_TRANSACTION`]), having written nothing; the next one asks
+    /// again.
+    pub(crate) async fn ensure_in_transaction(&self) -> Result<(), sqlx::Error> {
+        self.ensure_with(true).await
+    }
+
+    async fn ensure_with(&self, in_transaction: bool) -> Result<(), sqlx::Error> {
         let Some(options) = self.options.as_deref().filter(|_| !self.told) else {
             return Ok(());
         };
-        let verdict = self
-            .verdict
-            .get_or_try_init(|| async {
-                match probe(options).await? {
-                    Some(true) => Ok::<_, sqlx::Error>(Verdict::Pooler),
-                    Some(false) => Ok(Verdict::Direct),
-                    None => {
-                        tracing::warn!(
-                            "leasehold could not tell within {POOLER_PROBE_WAIT:?} whether the \
-                             pool goes through a transaction-mode pooler; going on as \
-                             configured (direct)"
-                        );
-                        Ok(Verdict::Direct)
-                    }
+        let init = || async {
+            match probe(options).await? {
+                Some(true) => Ok::<_, sqlx::Error>(Some(Verdict::Pooler)),
+                Some(false) => Ok(Some(Verdict::Direct)),
+                None if in_transaction => Ok(None),
+                None => {
+                    tracing::warn!(
+                        "leasehold could not tell within {POOLER_PROBE_WAIT:?} whether the \
+                         pool goes through a transaction-mode pooler; going on as \
+                         configured (direct)"
+                    );
+                    Ok(Some(Verdict::Direct))
                 }
-            })
-            .await?;
+            }
+        };
+        let verdict = if in_transaction && !self.verdict.initialized() {
+            match init().await? {
+                Some(v) => *self.verdict.get_or_init(|| async { v }).await,
+                None => {
+                    return Err(sqlx::Error::Configuration(Box::new(PoolerRefused(
+                        POOLER_UNDECIDED_IN_TRANSACTION,
+                    ))))
+                }
+            }
+        } else {
+            *self
+                .verdict
+                .get_or_try_init(|| async { init().await.map(|v| v.unwrap_or(Verdict::Direct)) })
+                .await?
+        };
         match verdict {
             Verdict::Direct => Ok(()),
-            Verdict::Pooler => Err(sqlx::Error::Configuration(Box::new(PoolerRefused))),
+            Verdict::Pooler => Err(sqlx::Error::Configuration(Box::new(PoolerRefused(
+                POOLER_REFUSED,
+            )))),
         }
     }
 }
@@ -171,9 +212,24 @@ async fn probe(options: &PgConnectOptions) -> Result<Option<bool>, sqlx::Error> 
         verdict
     };
     match tokio::time::timeout(POOLER_PROBE_WAIT, probe).await {
+        Ok(Err(e)) if at_connection_limit(&e) => {
+            tracing::warn!(
+                error = %e,
+                "leasehold could not open the two connections that tell whether the pool \
+                 goes through a transaction-mode pooler (a connection limit); going on as \
+                 configured (direct)"
+            );
+            Ok(None)
+        }
         Ok(verdict) => verdict.map(Some),
         Err(_) => Ok(None),
     }
+}
+
+/// The server refused a connection for a limit (53300 `too_many_connections`: the
+/// role's or the server's), which says nothing about a pooler.
+fn at_connection_limit(e: &sqlx::Error) -> bool {
+    e.as_database_error().and_then(|d| d.code()).as_deref() == Some("53300")
 }
 
 /// Whether `a` and `b` do not each keep a server session of their own (see [`probe`]).

@@ -139,7 +139,7 @@ impl Store {
         limit: i64,
         at: Option<DateTime<Utc>>,
     ) -> Result<ReapReport> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let mut tx = conn.begin().await?;
         let rows = sqlx::query(&self.sql().reap)
             .bind(at)

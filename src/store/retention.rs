@@ -623,7 +623,7 @@ impl Store {
         scan: &JobsScan<'_>,
         batch: i64,
     ) -> Result<Option<(DateTime<Utc>, Option<sqlx::postgres::PgRow>)>> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };
@@ -665,7 +665,7 @@ impl Store {
         let keep = secs(options.keep);
         let started = Instant::now();
         let mut batch = options.batch.max(1);
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         for id in ids {
             while started.elapsed() < options.statement_timeout {
                 let Some(mut tx) = self
@@ -763,7 +763,7 @@ impl Store {
         keep: Option<f64>,
         batch: i64,
     ) -> Result<Option<Counts>> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };
@@ -782,7 +782,7 @@ impl Store {
     /// The key pass: raise the floors its candidates need (a transaction of its own),
     /// then delete the key rows those floors cover. (read, key rows deleted).
     async fn prune_keys(&self, timeout: Duration, batch: i64) -> Result<Option<Counts>> {
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = self.acquire().await?;
         let Some(mut tx) = self.begin_retention(&mut conn, timeout).await? else {
             return Ok(None);
         };

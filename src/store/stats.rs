@@ -251,7 +251,8 @@ impl Store {
             if let Some(w) = window {
                 query = query.bind(w);
             }
-            let mut tx = self.pool().begin().await?;
+            let mut conn = self.acquire().await?;
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             sqlx::raw_sql(GAUGE_SETTINGS).execute(&mut *tx).await?;
             let lines = query.fetch_all(self.on(&mut tx)).await?;
             tx.rollback().await?;
@@ -291,7 +292,8 @@ impl Store {
     /// transaction with JIT and sequential scans off (see `GAUGE_SETTINGS` in the source).
     pub async fn queue_gauges(&self) -> Result<Vec<QueueGauges>> {
         let sql = self.schema().render(GAUGES_SQL);
-        let mut tx = self.pool().begin().await?;
+        let mut conn = self.acquire().await?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         sqlx::raw_sql(GAUGE_SETTINGS).execute(&mut *tx).await?;
         let rows = sqlx::query(&sql).fetch_all(self.on(&mut tx)).await?;
         let paused: Vec<String> =
