@@ -7,6 +7,8 @@
 mod common;
 #[path = "common/history.rs"]
 mod history;
+#[path = "common/worker.rs"]
+mod worker;
 
 use common::*;
 use history::refuse_events;

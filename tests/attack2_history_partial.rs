@@ -17,88 +17,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use history::{recorded, refuse_events, Recorder};
+use history::{all_in, recorded, refuse_events, run_mixed, states, Recorder};
 use leasehold::{
     ClaimRequest, CompleteOutcome, Handler, JobContext, JobError, JobId, JobState, NewJob,
     Scheduler,
 };
 use sqlx::PgPool;
 use worker::{fast_config, run_in_system, wait_until};
-
-async fn all_in(db: &TestDb, ids: &[JobId], state: JobState) -> bool {
-    for id in ids {
-        if db.store.job(*id).await.unwrap().state != state {
-            return false;
-        }
-    }
-    true
-}
-
-async fn states(db: &TestDb, ids: &[JobId]) -> Vec<(i64, String)> {
-    let mut out = Vec::new();
-    for id in ids {
-        out.push((id.0, db.state_of(*id).await));
-    }
-    out
-}
-
-async fn run_mixed(db: &TestDb, refused: &[&str]) {
-    refuse_events(db, refused).await;
-    let recorder = Recorder::default();
-    let s = Scheduler::builder(db.pool.clone(), fast_config(&db.schema))
-        .register(recorder.clone())
-        .start()
-        .await
-        .unwrap();
-    let mut jobs = Vec::new();
-    for (n, what) in ["ok", "fail_once", "snooze_once"]
-        .iter()
-        .cycle()
-        .take(24)
-        .enumerate()
-    {
-        let mut j = recorded(what);
-        if n % 2 == 0 {
-            j = j.with_key(format!("acct-{}", n % 3));
-        }
-        jobs.push((db.store.enqueue(j).await.unwrap(), *what));
-    }
-    let ids: Vec<JobId> = jobs.iter().map(|j| j.0).collect();
-    let done = tokio::time::timeout(Duration::from_secs(40), async {
-        while !all_in(db, &ids, JobState::Done).await {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
-    let metrics = s.metrics();
-    let _ = within(20, "shutdown", s.shutdown()).await;
-    let runs = recorder.runs.lock().unwrap().clone();
-    assert!(
-        done.is_ok(),
-        "history refused for {refused:?}: jobs not all done after 40 s: {:?}; db_errors {}",
-        states(db, &ids).await,
-        metrics.counters.db_errors
-    );
-    for (id, what) in &jobs {
-        let expected = if *what == "ok" { 1 } else { 2 };
-        assert_eq!(
-            runs.get(id),
-            Some(&expected),
-            "job {id} ({what}) runs: {runs:?}"
-        );
-    }
-    assert!(
-        metrics.counters.informational_write_failures >= 1
-            && metrics
-                .history_error
-                .as_deref()
-                .unwrap_or("")
-                .contains("history refused"),
-        "counted and shown: {:?} / {:?}",
-        metrics.counters.informational_write_failures,
-        metrics.history_error
-    );
-}
 
 #[test]
 fn only_completed_events_refused_jobs_still_end_and_run_once() {

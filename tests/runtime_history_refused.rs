@@ -13,7 +13,7 @@ mod worker;
 use std::time::Duration;
 
 use common::*;
-use history::{recorded, refuse_events, Recorder};
+use history::{recorded, refuse_events, run_mixed, Recorder};
 use leasehold::{JobState, Scheduler};
 use worker::{fast_config, run_in_system, wait_until};
 
@@ -22,58 +22,12 @@ fn every_ending_goes_on_without_history_while_the_history_table_refuses_rows() {
     run_in_system(async {
         within(120, "jobs end while history is refused", async {
             let db = TestDb::new("history_refused").await;
-            refuse_events(&db, &[]).await;
-            let recorder = Recorder::default();
-            let s = Scheduler::builder(db.pool.clone(), fast_config(&db.schema))
-                .register(recorder.clone())
-                .start()
-                .await
-                .unwrap();
-            let mut jobs = Vec::new();
-            for (n, what) in ["ok", "fail_once", "snooze_once"]
-                .iter()
-                .cycle()
-                .take(30)
-                .enumerate()
-            {
-                let mut job = recorded(what);
-                if n % 2 == 0 {
-                    job = job.with_key(format!("acct-{}", n % 4));
-                }
-                jobs.push((db.store.enqueue(job).await.unwrap(), *what));
-            }
-            wait_until(60, "every job done", || async {
-                let mut all = true;
-                for (id, _) in &jobs {
-                    all &= db.store.job(*id).await.unwrap().state == JobState::Done;
-                }
-                all
-            })
-            .await;
-            let metrics = s.metrics();
-            s.shutdown().await.unwrap();
-            let runs = recorder.runs.lock().unwrap().clone();
-            for (id, what) in &jobs {
-                let expected = if *what == "ok" { 1 } else { 2 };
-                assert_eq!(
-                    runs.get(id),
-                    Some(&expected),
-                    "job {id} ({what}) ran {:?} times",
-                    runs.get(id)
-                );
-            }
+            run_mixed(&db, &[]).await;
             assert_eq!(
                 db.count_where("job_events", "true").await,
                 0,
                 "the trigger refused every row"
             );
-            assert!(
-                metrics.counters.informational_write_failures >= 1,
-                "the refusal is counted: {:?}",
-                metrics.counters
-            );
-            let shown = metrics.history_error.unwrap_or_default();
-            assert!(shown.contains("history refused for"), "shown: {shown:?}");
             db.drop().await;
         })
         .await
