@@ -14,7 +14,7 @@ mod worker;
 use std::time::{Duration, Instant};
 
 use common::{within, TestDb};
-use host_keys::wait_done;
+use host_keys::{quick_endings, wait_done};
 use leasehold::{CancelReason, JobState, NewJob, Scheduler, StoreOptions};
 use scripted::{scripted, work, Script, Scripted};
 use sqlx::Connection;
@@ -163,6 +163,88 @@ fn a_session_locking_one_running_job_does_not_stop_renewal_of_the_others() {
         let runs = h.runs_of(locked);
         assert!(runs.len() >= 2, "{runs:?}");
         assert!(runs[1].start >= runs[0].end.unwrap(), "{runs:?}");
+        db.drop().await;
+    }))
+}
+
+/// A session holds the rows of six jobs whose handlers have returned (four unkeyed, two
+/// keyed), so their endings cannot be written and are tried again and again. Every other
+/// job's ending, keyed or not, must still land promptly: a completion batch must not
+/// wait on a row another session locks. Fails when the batch statements wait for job
+/// rows: each batch that held a retried held ending waited out the writer's lock
+/// timeout and then wrote its members one by one (found by the fault harness, seed
+/// 20261207: a job's ending landed 2.5 s after its handler returned, past its 2 s lease,
+/// while a `row_lock` fault held two other running rows of its worker).
+#[test]
+fn a_session_locking_finished_jobs_rows_does_not_delay_other_jobs_endings() {
+    run_in_system(within(90, "locked finished rows test", async {
+        let db = TestDb::with_options("rt_renew_heldends", StoreOptions::default(), POOL).await;
+        let h = Scripted::new(&db.pool);
+        let scheduler = start(&db, &h).await;
+        let mut held = Vec::new();
+        for (i, key) in [None, Some("H1"), None, None, Some("H2"), None]
+            .into_iter()
+            .enumerate()
+        {
+            let job = scripted(Script {
+                gate: Some("finish-held".into()),
+                ..work(&format!("held-{i}"), 0)
+            });
+            let job = match key {
+                Some(k) => job.with_key(k),
+                None => job,
+            };
+            held.push(scheduler.enqueue_job(job).await.unwrap());
+        }
+        for i in 0..held.len() {
+            h.started(&format!("held-{i}"), 10).await;
+        }
+        let mut session = db.raw_conn("locker").await;
+        let mut tx = session.begin().await.unwrap();
+        sqlx::query(&format!(
+            "SELECT 1 FROM {} WHERE id = ANY($1) FOR UPDATE",
+            db.table("jobs")
+        ))
+        .bind(held.iter().map(|j| j.0).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        h.open("finish-held");
+        for i in 0..held.len() {
+            h.ended(&format!("held-{i}"), 10).await;
+        }
+        // Keyed and unkeyed jobs now, one every 100 ms, while the held endings retry.
+        let key_of = |i: usize| (i % 2 == 1).then(|| format!("Q{i}"));
+        let (quick, waits) = quick_endings(&scheduler, &h, &db, 16, key_of).await;
+        for id in &held {
+            assert_eq!(db.store.job(*id).await.unwrap().state, JobState::Running);
+        }
+        tx.rollback().await.unwrap();
+        wait_done(&db, &held, 20).await;
+        wait_done(&db, &quick, 20).await;
+        let m = scheduler.metrics();
+        scheduler.shutdown().await.unwrap();
+        let slowest = waits.iter().max().copied().unwrap();
+        assert!(
+            slowest < LEASE / 4,
+            "a job waited {slowest:?} from its handler's return to done while a session \
+             held six finished jobs' rows; all: {waits:?}"
+        );
+        for id in &quick {
+            let job = db.store.job(*id).await.unwrap();
+            assert_eq!(
+                (job.state, job.generation.0),
+                (JobState::Done, 1),
+                "{job:?}"
+            );
+            assert_eq!(h.runs_of(*id).len(), 1);
+        }
+        // The held jobs end done too, once the session lets go.
+        for id in &held {
+            assert_eq!(db.store.job(*id).await.unwrap().state, JobState::Done);
+        }
+        assert!(m.counters.completion_retries >= 1, "{:?}", m.counters);
+        h.assert_keys_serial();
         db.drop().await;
     }))
 }

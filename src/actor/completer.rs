@@ -13,18 +13,22 @@
 //! oldest has waited `completion_flush` for a slow write.
 //!
 //! Unkeyed completions are written by one statement that never touches a key row;
-//! keyed ones in a transaction that locks their key rows first, skipping rows a host's
-//! open transaction holds. Those are written afterwards, each alone, waiting for its own
-//! key in turns on all but one of the writer's connections (the last one writes the
-//! other endings), each turn at most [`KEY_TURN`]; one whose turn runs out
+//! keyed ones in a transaction that locks their key rows first, skipping the key rows a
+//! host's open transaction holds. A batch waits at most one turn ([`KEY_TURN`]) for a job
+//! row another session holds (a claim passing over it holds it for a moment; a report's
+//! `SELECT … FOR UPDATE` for long), and is then written again skipping such rows. The
+//! rows skipped are written afterwards, each alone, waiting for its own row in turns on
+//! all but one of the writer's connections (the last one writes the other endings), each
+//! turn at most [`KEY_TURN`]; one whose turn runs out
 //! is tried again by its sender after a pause (it renews its lease meanwhile). So no
-//! completion waits behind a key that is not its own for more than a few short turns:
-//! with turns of the session's whole `lock_timeout` (250 ms), keys held for long took
-//! every turn, and the completion of a key held for a moment waited behind all of them
-//! (found by the fault harness: a finished job's ending landed 2.2 s after its handler
-//! returned, past its 2 s lease). A turn still waits in the lock's queue, so a key that
-//! producers lock again and again for a moment each is completed in order, never
-//! starved.
+//! completion waits behind a row that is not its own for more than a few short turns.
+//! Both halves were found by the fault harness, each as a finished job's ending that
+//! landed after its lease: with turns of the session's whole `lock_timeout` (250 ms),
+//! keys held for long took every turn and a key held for a moment waited behind all of
+//! them (2.2 s); when the batch statements waited the whole lock timeout for job rows,
+//! every batch that carried a held job's retried ending waited it out (2.5 s, seed
+//! 20261207). A turn still waits in the lock's queue, so a key that producers lock again
+//! and again for a moment each is completed in order, never starved.
 //!
 //! # Failure
 //! A batch that fails on a lost connection replies the error to each waiter; the
@@ -41,19 +45,19 @@ use tokio::sync::oneshot;
 use crate::error::{Error, Result};
 use crate::job::{ClaimedJob, CompleteOutcome, Fence, OwnerId};
 use crate::metrics::{MailboxMeter, Metrics};
-use crate::store::{Chain, KeyWait, KeyedItem, Store};
+use crate::store::{Chain, KeyedItem, KeyedWait, RowWait, Store};
 
 /// Batches written at once, at most: enough to overlap a slow statement, few enough
 /// that batches stay large under load.
 pub(crate) const MAX_WRITES_IN_FLIGHT: usize = 2;
 
-/// Completions that wait for a key row at once: all but one of the writer's connections
-/// (at least one), so one always writes the other endings.
-fn key_waiters(connections: u32) -> usize {
+/// Completions that wait for a row another session holds at once: all but one of the
+/// writer's connections (at least one), so one always writes the other endings.
+fn row_waiters(connections: u32) -> usize {
     (connections as usize).saturating_sub(1).max(1)
 }
 
-/// The longest a completion waits for its key row in one turn (or
+/// The longest a completion waits for its key row or job row in one turn (or
 /// `Config::writer_lock_wait`, when shorter): long enough for a producer's enqueue that
 /// holds the row for a moment, short enough that turns behind keys held for long pass
 /// quickly.
@@ -89,8 +93,8 @@ pub(crate) struct Completer {
     batch: usize,
     flush_every: std::time::Duration,
     buffer: Vec<Complete>,
-    /// See [`Writer::key_waits`].
-    key_waits: Arc<tokio::sync::Semaphore>,
+    /// See [`Writer::row_waits`].
+    row_waits: Arc<tokio::sync::Semaphore>,
     /// See [`Writer::turn`].
     turn: std::time::Duration,
     /// Batches being written now.
@@ -105,10 +109,11 @@ pub(crate) struct Completer {
 #[derive(Clone)]
 struct Writer {
     store: Store,
-    /// Completions that must wait for their key (a host's transaction holds it) take
-    /// turns on all but one of the writer's connections, so however many keys hosts
-    /// hold, one connection of the writer pool stays free for every other job's ending.
-    key_waits: Arc<tokio::sync::Semaphore>,
+    /// Completions that must wait for a row (a host's transaction holds their key, a
+    /// session their job's row) take turns on all but one of the writer's connections, so
+    /// however many rows others hold, one connection of the writer pool stays free for
+    /// every other job's ending.
+    row_waits: Arc<tokio::sync::Semaphore>,
     /// The longest one waits in its turn: [`KEY_TURN`], or `Config::writer_lock_wait`
     /// when shorter.
     turn: std::time::Duration,
@@ -134,7 +139,7 @@ impl Completer {
             batch: config.completion_batch,
             flush_every: config.completion_flush,
             buffer: Vec::new(),
-            key_waits: Arc::new(tokio::sync::Semaphore::new(key_waiters(config.connections))),
+            row_waits: Arc::new(tokio::sync::Semaphore::new(row_waiters(config.connections))),
             turn: config.writer_lock_wait.min(KEY_TURN),
             writing: 0,
             timer: None,
@@ -147,7 +152,7 @@ impl Completer {
     fn writer(&self) -> Writer {
         Writer {
             store: self.store.clone(),
-            key_waits: self.key_waits.clone(),
+            row_waits: self.row_waits.clone(),
             turn: self.turn,
             owner: self.owner.clone(),
             kinds: self.kinds.clone(),
@@ -202,50 +207,105 @@ impl Completer {
 
 impl Writer {
     /// Write a batch: the unkeyed completions in one statement that touches no key row,
-    /// the keyed ones in a transaction alongside it. Keyed completions whose key row a
-    /// host transaction holds are written afterwards, each waiting in a transaction of
-    /// its own, so the rest of the batch never waits behind them.
+    /// the keyed ones in a transaction alongside it. Completions whose key row or job row
+    /// another session holds are written afterwards, each waiting in a transaction of its
+    /// own, so the rest of the batch never waits behind them.
     async fn write(self, batch: Vec<Complete>) {
         let (keyed, unkeyed): (Vec<Complete>, Vec<Complete>) =
             batch.into_iter().partition(|c| c.key.is_some());
-        let busy =
-            futures_util::future::join(self.write_unkeyed(unkeyed), self.write_keyed(keyed, false))
-                .await
-                .1;
+        let (busy_unkeyed, busy_keyed) = futures_util::future::join(
+            self.write_unkeyed(unkeyed, false),
+            self.write_keyed(keyed, false),
+        )
+        .await;
         // Each alone, each taking its own turns: a statement for all of them would wait
-        // on the first key held and, timed out, write them one by one all the same,
+        // on the first row held and, timed out, write them one by one all the same,
         // replying to the last only after every turn before it.
-        for c in busy {
+        for (c, keyed) in busy_unkeyed
+            .into_iter()
+            .map(|c| (c, false))
+            .chain(busy_keyed.into_iter().map(|c| (c, true)))
+        {
             let writer = self.clone();
             tokio::spawn(async move {
-                let left = writer.write_keyed(vec![c], true).await;
+                let left = match keyed {
+                    true => writer.write_keyed(vec![c], true).await,
+                    false => writer.write_unkeyed(vec![c], true).await,
+                };
                 debug_assert!(left.is_empty(), "a waiting write leaves nothing behind");
             });
         }
     }
 
-    async fn write_unkeyed(&self, batch: Vec<Complete>) {
+    /// Returns the completions whose job row another session held (only when `wait` is
+    /// false).
+    async fn write_unkeyed(&self, batch: Vec<Complete>, wait: bool) -> Vec<Complete> {
         if batch.is_empty() {
-            return;
+            return batch;
         }
         let items: Vec<_> = batch
             .iter()
             .map(|c| (c.fence.job, c.fence.generation, c.result.clone()))
             .collect();
-        match self.store.complete_unkeyed(&self.owner, &items).await {
-            Ok(outcomes) => {
-                for (c, outcome) in batch.into_iter().zip(outcomes) {
-                    let _ = c.reply.send(Ok(Completed {
-                        outcome,
-                        successor: None,
-                    }));
-                }
+        let written = match wait {
+            true => {
+                let _turn = self.row_waits.acquire().await.expect("never closed");
+                let rows = RowWait::AtMost(self.turn);
+                self.store.complete_unkeyed(&self.owner, &items, rows).await
             }
-            Err(e) => self.failed(batch, e, false).await,
+            false => {
+                self.skipping_after_a_turn(|rows| {
+                    self.store.complete_unkeyed(&self.owner, &items, rows)
+                })
+                .await
+            }
+        };
+        match written {
+            Ok(outcomes) => {
+                let mut busy = Vec::new();
+                for (c, outcome) in batch.into_iter().zip(outcomes) {
+                    match outcome {
+                        None => busy.push(c),
+                        Some(outcome) => {
+                            let _ = c.reply.send(Ok(Completed {
+                                outcome,
+                                successor: None,
+                            }));
+                        }
+                    }
+                }
+                busy
+            }
+            Err(e) => {
+                self.failed(batch, e, false).await;
+                Vec::new()
+            }
         }
     }
 
-    /// Returns the completions whose key row was busy (only when `wait` is false).
+    /// A batch's write: it waits a turn for the job rows other sessions hold, and when
+    /// the turn runs out it is written again skipping them (they come back busy). Not
+    /// skipping at once: a claim's scan holds for a moment every row it passes over,
+    /// running jobs' rows among them, so a batch that skipped at once found a tenth of its
+    /// rows busy under load and wrote them again alone (measured: a tenth of the
+    /// throughput). A row held for longer than a turn (a report's `SELECT … FOR UPDATE`)
+    /// costs its batch one turn, not the writer's whole `lock_timeout`.
+    async fn skipping_after_a_turn<T, F, Fut>(&self, write: F) -> Result<T>
+    where
+        F: Fn(RowWait) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        match write(RowWait::AtMost(self.turn)).await {
+            Err(e) if e.is_lock_wait() => {
+                tracing::debug!(error = %e, "leasehold completion batch met a held row; written again skipping held rows");
+                write(RowWait::Skip).await
+            }
+            other => other,
+        }
+    }
+
+    /// Returns the completions whose key row or job row another session held (only when
+    /// `wait` is false).
     async fn write_keyed(&self, batch: Vec<Complete>, wait: bool) -> Vec<Complete> {
         if batch.is_empty() {
             return batch;
@@ -263,20 +323,31 @@ impl Writer {
             kinds: &self.kinds,
             lease: self.lease,
         };
-        let written = {
-            // A few connections at most wait on keys that others hold, a turn each; the
-            // permit is let go before a failed wait is written again one by one (which
-            // waits again).
-            let (_turn, key_wait) = match wait {
-                true => (
-                    Some(self.key_waits.acquire().await.expect("never closed")),
-                    KeyWait::AtMost(self.turn),
-                ),
-                false => (None, KeyWait::Skip),
-            };
-            self.store
-                .complete_keyed(&self.owner, &items, Some(&chain), key_wait)
+        let written = match wait {
+            // The permit is let go before a failed wait is written again one by one
+            // (which waits again).
+            true => {
+                let _turn = self.row_waits.acquire().await.expect("never closed");
+                let turn = RowWait::AtMost(self.turn);
+                let wait = KeyedWait {
+                    keys: turn,
+                    rows: turn,
+                };
+                self.store
+                    .complete_keyed(&self.owner, &items, Some(&chain), wait)
+                    .await
+            }
+            false => {
+                self.skipping_after_a_turn(|rows| {
+                    let wait = KeyedWait {
+                        keys: RowWait::Skip,
+                        rows,
+                    };
+                    self.store
+                        .complete_keyed(&self.owner, &items, Some(&chain), wait)
+                })
                 .await
+            }
         };
         match written {
             Ok(outcomes) => {
@@ -352,7 +423,8 @@ impl Writer {
                 let left = Box::pin(self.write_keyed(vec![c], true)).await;
                 debug_assert!(left.is_empty());
             } else {
-                Box::pin(self.write_unkeyed(vec![c])).await;
+                let left = Box::pin(self.write_unkeyed(vec![c], true)).await;
+                debug_assert!(left.is_empty());
             }
         }
     }

@@ -46,23 +46,53 @@ WITH kl AS MATERIALIZED (
 SELECT id, queue, job_key FROM u"#;
 
 /// Keyed completions: one call of the schema's `complete_keyed` function (see
-/// migrations/0003_claim.sql), instead of five round trips (begin, lock the keys, complete,
-/// promote, commit). A successor of a paused queue is promoted but not chain-claimed
+/// migrations/0023_completions_skip_held_rows.sql), instead of five round trips (begin,
+/// lock the keys, lock the jobs, complete, promote, commit). A successor of a paused queue is promoted but not chain-claimed
 /// (`$6`, the chain flags, are cleared for paused queues).
 pub(super) const COMPLETE_KEYED: &str = r#"/* leasehold:complete_keyed */
 SELECT * FROM {s}.complete_keyed($1, $2, $3, $4, $5,
     ARRAY(SELECT c.chain AND NOT EXISTS (SELECT 1 FROM {s}.paused_queues p WHERE p.queue = c.q)
           FROM unnest($6::bool[], $4::text[]) WITH ORDINALITY AS c(chain, q, n)
           ORDER BY c.n),
-    $7, $8, $9, $10, $11, $12)"#;
+    $7, $8, $9, $10, $11, $12, $13)"#;
 
+/// Unkeyed completions in one statement, waiting for job rows other sessions hold: at
+/// most `$6` milliseconds when set (`set_config(.., true)` lasts to the end of the
+/// statement's own transaction; the initplan runs before the first row is locked), or as
+/// long as the session's `lock_timeout` allows.
 pub(super) const COMPLETE_UNKEYED: &str = r#"/* leasehold:complete_unkeyed */
 WITH c AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[]) AS t(id, generation, result)
+), bound AS MATERIALIZED (
+    SELECT CASE WHEN $6::int4 IS NOT NULL
+                THEN set_config('lock_timeout', $6::int4 || 'ms', true) END AS s
 ), u AS (
     UPDATE {s}.jobs j
     SET state = 'done', result = c.result, finished_at = clock_timestamp(), lease_until = NULL
     FROM c
+    WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation AND j.state = 'running'
+      AND j.job_key IS NULL AND (SELECT count(*) FROM bound) >= 0
+    RETURNING j.id, j.generation
+), ev AS (
+    INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
+    SELECT id, generation, 'completed', $4, clock_timestamp() FROM u WHERE $5
+)
+SELECT id, generation, true AS done FROM u"#;
+
+/// [`COMPLETE_UNKEYED`] skipping the job rows another session holds: the rows it could
+/// not lock that are still this owner's running attempt come back with `done` false
+/// (busy), and nothing is written for them.
+pub(super) const COMPLETE_UNKEYED_SKIPPING: &str = r#"/* leasehold:complete_unkeyed_skipping */
+WITH c AS (
+    SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[]) AS t(id, generation, result)
+), l AS MATERIALIZED (
+    SELECT j.id FROM {s}.jobs j
+    WHERE j.id = ANY ($1) AND j.owner = $4 AND j.state = 'running' AND j.job_key IS NULL
+    FOR UPDATE OF j SKIP LOCKED
+), u AS (
+    UPDATE {s}.jobs j
+    SET state = 'done', result = c.result, finished_at = clock_timestamp(), lease_until = NULL
+    FROM c JOIN l ON l.id = c.id
     WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation AND j.state = 'running'
       AND j.job_key IS NULL
     RETURNING j.id, j.generation
@@ -70,7 +100,13 @@ WITH c AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
     SELECT id, generation, 'completed', $4, clock_timestamp() FROM u WHERE $5
 )
-SELECT id, generation FROM u"#;
+SELECT id, generation, true AS done FROM u
+UNION ALL
+SELECT c.id, c.generation, false FROM c
+WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = c.id)
+  AND EXISTS (SELECT 1 FROM {s}.jobs j
+              WHERE j.id = c.id AND j.generation = c.generation AND j.owner = $4
+                AND j.state = 'running' AND j.job_key IS NULL)"#;
 
 pub(super) const COMPLETION_READBACK: &str = r#"/* leasehold:completion_readback */
 SELECT id, state, generation, owner, result FROM {s}.jobs WHERE id = ANY($1)"#;
@@ -94,10 +130,10 @@ pub(crate) struct KeyedItem {
     pub chain: bool,
 }
 
-/// How a keyed completion treats key rows other transactions hold.
+/// How a completion treats the rows (key rows, job rows) other transactions hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum KeyWait {
-    /// Skip them: those items are not written.
+pub(crate) enum RowWait {
+    /// Skip them: those items are not written, and come back busy.
     Skip,
     /// Wait for them as long as the session's `lock_timeout` allows.
     Session,
@@ -105,15 +141,30 @@ pub(crate) enum KeyWait {
     AtMost(Duration),
 }
 
-impl KeyWait {
+impl RowWait {
     /// As `complete_keyed`'s `p_wait_ms`: NULL, 0, or the bound in milliseconds.
     fn millis(self) -> Option<i32> {
         match self {
-            KeyWait::Skip => None,
-            KeyWait::Session => Some(0),
-            KeyWait::AtMost(d) => Some(i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1)),
+            RowWait::Skip => None,
+            RowWait::Session => Some(0),
+            RowWait::AtMost(d) => Some(i32::try_from(d.as_millis()).unwrap_or(i32::MAX).max(1)),
         }
     }
+}
+
+/// How a keyed completion treats its key rows and its job rows other transactions hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeyedWait {
+    pub keys: RowWait,
+    pub rows: RowWait,
+}
+
+impl KeyedWait {
+    /// Both as long as the session's `lock_timeout` allows.
+    pub const SESSION: KeyedWait = KeyedWait {
+        keys: RowWait::Session,
+        rows: RowWait::Session,
+    };
 }
 
 impl Store {
@@ -266,7 +317,7 @@ impl Store {
                 })
                 .collect();
             for (k, (outcome, _)) in batch.iter().zip(
-                self.complete_keyed(owner, &batch, None, KeyWait::Session)
+                self.complete_keyed(owner, &batch, None, KeyedWait::SESSION)
                     .await?,
             ) {
                 outcomes.insert(
@@ -277,11 +328,12 @@ impl Store {
         }
         if !unkeyed.is_empty() {
             let batch: Vec<Item> = unkeyed.into_iter().cloned().collect();
-            for (i, outcome) in batch
-                .iter()
-                .zip(self.complete_unkeyed(owner, &batch).await?)
-            {
-                outcomes.insert((i.0, i.1), outcome);
+            // Waiting for held rows, so none comes back busy.
+            for (i, outcome) in batch.iter().zip(
+                self.complete_unkeyed(owner, &batch, RowWait::Session)
+                    .await?,
+            ) {
+                outcomes.insert((i.0, i.1), outcome.unwrap_or(CompleteOutcome::Stale));
             }
         }
         Ok(items
@@ -298,10 +350,11 @@ impl Store {
     /// the jobs, leave the keys, promote (and, where `chain` is set and a [`Chain`] is
     /// given, claim) each key's successor.
     ///
-    /// With [`KeyWait::Skip`], a key row that another transaction holds is skipped, not
-    /// waited for: that item's outcome is `None` (nothing written) and the caller
-    /// writes it again waiting, in a transaction of its own, so one key held by a host's
-    /// open transaction does not hold up the other keys of the batch. Each
+    /// With [`RowWait::Skip`] for `keys` (or `rows`), a key row (or a job row) that another
+    /// transaction holds is skipped, not waited for: that item's outcome is `None`
+    /// (nothing written) and the caller writes it again waiting, in a transaction of its
+    /// own, so one key held by a host's open transaction (or one job row a report holds)
+    /// does not hold up the rest of the batch. Each
     /// outcome comes with the successor claimed for it, if any, and the moment the
     /// claiming statement was sent, after every wait for a lock: its lease counts from
     /// then (`clock_timestamp()` in the statement), not from the batch's start.
@@ -311,7 +364,7 @@ impl Store {
         owner: &OwnerId,
         batch: &[KeyedItem],
         chain: Option<&Chain<'_>>,
-        wait: KeyWait,
+        wait: KeyedWait,
     ) -> Result<Vec<KeyedOutcome>> {
         if batch.is_empty() {
             return Ok(Vec::new());
@@ -327,7 +380,7 @@ impl Store {
         owner: &OwnerId,
         batch: &[KeyedItem],
         chain: Option<&Chain<'_>>,
-        wait: KeyWait,
+        wait: KeyedWait,
     ) -> Result<Vec<KeyedOutcome>> {
         let mut conn = self.acquire().await?;
         let sent = Instant::now();
@@ -344,12 +397,13 @@ impl Store {
             .bind(col(|k| k.key.0.as_str()))
             .bind(col(|k| k.key.1.as_str()))
             .bind(&chain_wanted)
-            .bind(wait.millis())
+            .bind(wait.keys.millis())
             .bind(owner.as_str())
             .bind(chain.map(|c| c.kinds))
             .bind(chain.map(|c| secs(c.lease)).unwrap_or(0.0))
             .bind(self.full_history())
             .bind(self.schema().channel())
+            .bind(wait.rows.millis())
             .fetch_all(self.on(&mut conn))
             .await?;
         let mut busy: HashSet<(i64, i64)> = HashSet::new();
@@ -415,51 +469,83 @@ impl Store {
     /// rows, so whatever it did not complete (a keyed job after all, a lost fence, a
     /// completion already committed) goes through [`Store::complete_many`], which
     /// promotes or tells the cases apart.
-    #[tracing::instrument(name = "leasehold.complete", level = "debug", skip_all, fields(n = items.len()))]
+    ///
+    /// With [`RowWait::Skip`], a job row another session holds is not waited for: its
+    /// outcome is `None` (nothing written) and the caller writes it again alone, waiting.
+    /// The other two wait (and never return `None`); [`RowWait::AtMost`] fails with a lock
+    /// timeout when its bound passes.
+    #[tracing::instrument(name = "leasehold.complete", level = "debug", skip_all, fields(n = items.len(), wait = ?wait))]
     pub(crate) async fn complete_unkeyed(
         &self,
         owner: &OwnerId,
         items: &[Item],
-    ) -> Result<Vec<CompleteOutcome>> {
+        wait: RowWait,
+    ) -> Result<Vec<Option<CompleteOutcome>>> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
-        let gens: Vec<i64> = items.iter().map(|i| i.1 .0).collect();
-        let results: Vec<Option<serde_json::Value>> = items.iter().map(|i| i.2.clone()).collect();
-        let done: HashSet<(i64, i64)> = self
-            .unless_history_refused("complete", || async {
-                Ok(sqlx::query_as(&self.sql().complete_unkeyed)
-                    .bind(&ids)
-                    .bind(&gens)
-                    .bind(&results)
-                    .bind(owner.as_str())
-                    .bind(self.full_history())
-                    .fetch_all(self.db())
-                    .await?)
+        let rows: Vec<(i64, i64, bool)> = self
+            .unless_history_refused("complete", || {
+                self.complete_unkeyed_once(owner, items, wait)
             })
-            .await?
-            .into_iter()
-            .collect();
+            .await?;
+        let pair = |r: &(i64, i64, bool)| (r.0, r.1);
+        let done: HashSet<(i64, i64)> = rows.iter().filter(|r| r.2).map(pair).collect();
+        let busy: HashSet<(i64, i64)> = rows.iter().filter(|r| !r.2).map(pair).collect();
+        let raw = |i: &Item| (i.0 .0, i.1 .0);
         if done.len() == items.len() {
-            return Ok(vec![CompleteOutcome::Completed; items.len()]);
+            return Ok(vec![Some(CompleteOutcome::Completed); items.len()]);
         }
         let rest: Vec<Item> = items
             .iter()
-            .filter(|i| !done.contains(&(i.0 .0, i.1 .0)))
+            .filter(|i| !done.contains(&raw(i)) && !busy.contains(&raw(i)))
             .cloned()
             .collect();
-        let mut rest_outcomes = self.complete_leftovers(owner, &rest).await?.into_iter();
+        let mut rest_outcomes = if rest.is_empty() {
+            Vec::new().into_iter()
+        } else {
+            self.complete_leftovers(owner, &rest).await?.into_iter()
+        };
         Ok(items
             .iter()
             .map(|i| {
-                if done.contains(&(i.0 .0, i.1 .0)) {
-                    CompleteOutcome::Completed
+                if done.contains(&raw(i)) {
+                    Some(CompleteOutcome::Completed)
+                } else if busy.contains(&raw(i)) {
+                    None
                 } else {
-                    rest_outcomes.next().unwrap_or(CompleteOutcome::Stale)
+                    Some(rest_outcomes.next().unwrap_or(CompleteOutcome::Stale))
                 }
             })
             .collect())
+    }
+
+    /// One try of [`Store::complete_unkeyed`]'s statement: (id, generation, done) rows,
+    /// `done` false for a row skipped because another session holds it.
+    async fn complete_unkeyed_once(
+        &self,
+        owner: &OwnerId,
+        items: &[Item],
+        wait: RowWait,
+    ) -> Result<Vec<(i64, i64, bool)>> {
+        let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
+        let gens: Vec<i64> = items.iter().map(|i| i.1 .0).collect();
+        let results: Vec<Option<serde_json::Value>> = items.iter().map(|i| i.2.clone()).collect();
+        let sql = match wait {
+            RowWait::Skip => &self.sql().complete_unkeyed_skipping,
+            RowWait::Session | RowWait::AtMost(_) => &self.sql().complete_unkeyed,
+        };
+        let query = sqlx::query_as(sql)
+            .bind(ids)
+            .bind(gens)
+            .bind(results)
+            .bind(owner.as_str())
+            .bind(self.full_history());
+        let query = match wait {
+            RowWait::Skip => query,
+            RowWait::Session | RowWait::AtMost(_) => query.bind(wait.millis().filter(|ms| *ms > 0)),
+        };
+        Ok(query.fetch_all(self.db()).await?)
     }
 
     /// What the unkeyed statement did not complete: keyed jobs go through the keyed path;

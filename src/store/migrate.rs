@@ -130,10 +130,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "retention's jobs scan resumes after the last job deleted: done and cancelled jobs by when they may go, then id",
         include_str!("../../migrations/0022_prune_resumes.sql"),
     ),
+    (
+        23,
+        "a batch of keyed completions waits a bounded turn for a job row another session holds, or skips it as it skips a held key row",
+        include_str!("../../migrations/0023_completions_skip_held_rows.sql"),
+    ),
 ];
 
 /// The newest schema version this build knows.
-pub const SCHEMA_VERSION: i32 = 22;
+pub const SCHEMA_VERSION: i32 = 23;
 
 /// Serializes migrations of one schema across processes, and a printed script with them.
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('leasehold.migrate'), hashtext($1))";

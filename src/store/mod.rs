@@ -53,7 +53,7 @@ use sqlx::PgPool;
 
 pub use admin::CancelOutcome;
 pub use claim::ClaimRequest;
-pub(crate) use complete::{KeyWait, KeyedItem};
+pub(crate) use complete::{KeyedItem, KeyedWait, RowWait};
 pub(crate) use effects::Lookup;
 pub use effects::{EffectRecord, RecordOutcome};
 pub use fail::Failure;
@@ -383,6 +383,7 @@ pub(crate) struct Statements {
     pub complete: String,
     pub complete_keyed: String,
     pub complete_unkeyed: String,
+    pub complete_unkeyed_skipping: String,
     pub completion_readback: String,
     pub keys_of: String,
     pub fail: String,
@@ -414,6 +415,7 @@ impl Statements {
             complete: s.render(complete::COMPLETE),
             complete_keyed: s.render(complete::COMPLETE_KEYED),
             complete_unkeyed: s.render(complete::COMPLETE_UNKEYED),
+            complete_unkeyed_skipping: s.render(complete::COMPLETE_UNKEYED_SKIPPING),
             completion_readback: s.render(complete::COMPLETION_READBACK),
             keys_of: s.render(complete::KEYS_OF),
             fail: s.render(fail::FAIL),

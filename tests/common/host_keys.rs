@@ -83,58 +83,8 @@ pub async fn endings_while_hosts_hold_keys(
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
     // Unkeyed jobs now, one every 100 ms: each must be done soon after its handler
-    // returns. Enqueued by a task while this one watches their states.
-    const QUICK: usize = 12;
-    let enqueued = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let enqueuer = {
-        let scheduler = scheduler.clone();
-        let enqueued = enqueued.clone();
-        tokio::spawn(async move {
-            for i in 0..QUICK {
-                let id = scheduler
-                    .enqueue_job(scripted(work(&format!("quick-{i}"), 0)))
-                    .await
-                    .unwrap();
-                enqueued.lock().unwrap().push(id);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
-    // The first moment each is seen done, against its handler's return.
-    let mut done_at: Vec<Option<Instant>> = vec![None; QUICK];
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while done_at.iter().any(Option::is_none) {
-        let quick: Vec<leasehold::JobId> = enqueued.lock().unwrap().clone();
-        if Instant::now() > deadline {
-            let mut seen = Vec::new();
-            for (i, id) in quick.iter().enumerate() {
-                let job = db.store.job(*id).await.unwrap();
-                let ran = h.runs_tagged(&format!("quick-{i}"));
-                seen.push(format!(
-                    "{id}: {:?} gen {} ran {} ended {}",
-                    job.state,
-                    job.generation.0,
-                    ran.len(),
-                    ran.iter().filter(|e| e.end.is_some()).count()
-                ));
-            }
-            panic!("unkeyed jobs not done within 20 s: {seen:#?}");
-        }
-        for (i, id) in quick.iter().enumerate() {
-            if done_at[i].is_none() && db.store.job(*id).await.unwrap().state == JobState::Done {
-                done_at[i] = Some(Instant::now());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    enqueuer.await.unwrap();
-    let quick: Vec<leasehold::JobId> = enqueued.lock().unwrap().clone();
-    let waits: Vec<Duration> = (0..QUICK)
-        .map(|i| {
-            let returned = h.runs_tagged(&format!("quick-{i}"))[0].end.unwrap();
-            done_at[i].unwrap().saturating_duration_since(returned)
-        })
-        .collect();
+    // returns.
+    let (quick, waits) = quick_endings(&scheduler, h, db, 12, |_| None).await;
     let slowest = waits.iter().max().copied().unwrap();
     // The heads are still waiting for their keys.
     for id in &heads {
@@ -187,4 +137,74 @@ pub async fn endings_while_hosts_hold_keys(
     assert_eq!(db.count_where("lease_expiries", "true").await, 0);
     assert_eq!(m.counters.leases_lost, 0, "{:?}", m.counters);
     h.assert_keys_serial();
+}
+
+/// Enqueue `n` jobs that return at once, one every 100 ms (job `i` with key `key_of(i)`),
+/// and measure for each the time from its handler's return to the first moment it is
+/// seen done. Returns their ids and those waits; panics when one is not done in 20 s.
+pub async fn quick_endings(
+    scheduler: &Scheduler,
+    h: &Scripted,
+    db: &TestDb,
+    n: usize,
+    key_of: impl Fn(usize) -> Option<String>,
+) -> (Vec<JobId>, Vec<Duration>) {
+    // Enqueued by a task while this one watches their states.
+    let enqueued = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let jobs: Vec<_> = (0..n)
+        .map(|i| {
+            let job = scripted(work(&format!("quick-{i}"), 0));
+            match key_of(i) {
+                Some(k) => job.with_key(k),
+                None => job,
+            }
+        })
+        .collect();
+    let enqueuer = {
+        let scheduler = scheduler.clone();
+        let enqueued = enqueued.clone();
+        tokio::spawn(async move {
+            for job in jobs {
+                let id = scheduler.enqueue_job(job).await.unwrap();
+                enqueued.lock().unwrap().push(id);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    // The first moment each is seen done, against its handler's return.
+    let mut done_at: Vec<Option<Instant>> = vec![None; n];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while done_at.iter().any(Option::is_none) {
+        let quick: Vec<JobId> = enqueued.lock().unwrap().clone();
+        if Instant::now() > deadline {
+            let mut seen = Vec::new();
+            for (i, id) in quick.iter().enumerate() {
+                let job = db.store.job(*id).await.unwrap();
+                let ran = h.runs_tagged(&format!("quick-{i}"));
+                seen.push(format!(
+                    "{id}: {:?} gen {} ran {} ended {}",
+                    job.state,
+                    job.generation.0,
+                    ran.len(),
+                    ran.iter().filter(|e| e.end.is_some()).count()
+                ));
+            }
+            panic!("quick jobs not done within 20 s: {seen:#?}");
+        }
+        for (i, id) in quick.iter().enumerate() {
+            if done_at[i].is_none() && db.store.job(*id).await.unwrap().state == JobState::Done {
+                done_at[i] = Some(Instant::now());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    enqueuer.await.unwrap();
+    let quick: Vec<JobId> = enqueued.lock().unwrap().clone();
+    let waits = (0..n)
+        .map(|i| {
+            let returned = h.runs_tagged(&format!("quick-{i}"))[0].end.unwrap();
+            done_at[i].unwrap().saturating_duration_since(returned)
+        })
+        .collect();
+    (quick, waits)
 }
