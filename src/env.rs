@@ -24,6 +24,14 @@ pub(crate) struct Env {
     /// The store over the scheduler's own writer pool (job endings, fetch-next,
     /// releases), made on the scheduler's thread.
     pub store: Store,
+    /// [`Env::store`] with every statement waiting at most one writer's turn
+    /// (`actor::completer::KEY_TURN`) for a lock: the failures, snoozes and releases the
+    /// executor writes itself. See [`Store::with_lock_wait_everywhere`].
+    pub ending_store: Store,
+    /// Endings that wait for a row another session holds take turns on all but one of
+    /// the writer's connections (a permit each), so one stays free for every other
+    /// ending: shared by the completer's waiting writes and the executor's own endings.
+    pub row_waits: Arc<tokio::sync::Semaphore>,
     /// The store over the host's pool: enqueues through the handle, and the context
     /// handlers get when they run on the host's runtime.
     pub host_store: Store,

@@ -726,7 +726,11 @@ async fn write_ending(
                     _ => {}
                 }
             }
-            match with_retries(ctx, env, || env.store.fail(&fence, &failure, &backoff)).await {
+            match with_turns(ctx, env, || {
+                env.ending_store.fail(&fence, &failure, &backoff)
+            })
+            .await
+            {
                 Ok(FailOutcome::Retrying { .. }) => {
                     env.metrics.incr(|c| &c.failed);
                     Ended::Retrying
@@ -752,7 +756,7 @@ async fn write_ending(
         }
         Attempt::Snoozed(delay) => {
             let max = env.registry.get(&job.kind).map_or(0, |h| h.max_snoozes());
-            match with_retries(ctx, env, || env.store.snooze(&fence, delay, max)).await {
+            match with_turns(ctx, env, || env.ending_store.snooze(&fence, delay, max)).await {
                 Ok(Some(_)) => {
                     env.metrics.incr(|c| &c.snoozed);
                     Ended::Snoozed
@@ -777,8 +781,8 @@ async fn write_ending(
         }
         Attempt::Release(reason) => {
             let held = [(job.id, job.generation)];
-            let released = with_retries(ctx, env, || {
-                env.store.release_many(&env.owner, &held, reason)
+            let released = with_turns(ctx, env, || {
+                env.ending_store.release_many(&env.owner, &held, reason)
             })
             .await;
             match released {
@@ -913,6 +917,37 @@ where
             }
         }
     }
+}
+
+/// [`with_retries`] for an ending the executor writes itself (a failure, a snooze, a
+/// release) on [`Env::ending_store`], whose every try waits at most one turn for a lock.
+/// After a try that waited a turn out (another session holds the job's row or its key),
+/// each further try takes one of the writer's waiting permits (`Env::row_waits`, shared
+/// with the completer), so however many such endings wait, one writer connection stays
+/// free for every other job's ending (found by an attack: twelve held rows of failing
+/// jobs, each try waiting the session's whole 250 ms, delayed other endings 1.5 s).
+/// Completions do not come here: the completer takes those permits itself.
+async fn with_turns<T, F, Fut>(ctx: &JobContext, env: &Env, mut write: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let waited = std::sync::atomic::AtomicBool::new(false);
+    with_retries(ctx, env, || {
+        let attempt = write();
+        let waited = &waited;
+        async move {
+            let _turn = match waited.load(std::sync::atomic::Ordering::Relaxed) {
+                true => Some(env.row_waits.acquire().await.expect("never closed")),
+                false => None,
+            };
+            let written = attempt.await;
+            let lock = matches!(&written, Err(e) if e.is_lock_wait());
+            waited.store(lock, std::sync::atomic::Ordering::Relaxed);
+            written
+        }
+    })
+    .await
 }
 
 /// The longest pause between tries of an ending that waits for a lock another session

@@ -53,7 +53,7 @@ pub(crate) const MAX_WRITES_IN_FLIGHT: usize = 2;
 
 /// Completions that wait for a row another session holds at once: all but one of the
 /// writer's connections (at least one), so one always writes the other endings.
-fn row_waiters(connections: u32) -> usize {
+pub(crate) fn row_waiters(connections: u32) -> usize {
     (connections as usize).saturating_sub(1).max(1)
 }
 
@@ -62,6 +62,12 @@ fn row_waiters(connections: u32) -> usize {
 /// holds the row for a moment, short enough that turns behind keys held for long pass
 /// quickly.
 pub(crate) const KEY_TURN: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// One turn of waiting for a row another session holds: [`KEY_TURN`], or
+/// `Config::writer_lock_wait` when shorter.
+pub(crate) fn turn(config: &crate::Config) -> std::time::Duration {
+    config.writer_lock_wait.min(KEY_TURN)
+}
 
 /// Complete one job (fenced) and reply on `reply`.
 #[derive(Message)]
@@ -130,6 +136,7 @@ impl Completer {
         kinds: Vec<String>,
         config: &crate::Config,
         metrics: Arc<Metrics>,
+        row_waits: Arc<tokio::sync::Semaphore>,
     ) -> Self {
         Completer {
             store,
@@ -139,8 +146,8 @@ impl Completer {
             batch: config.completion_batch,
             flush_every: config.completion_flush,
             buffer: Vec::new(),
-            row_waits: Arc::new(tokio::sync::Semaphore::new(row_waiters(config.connections))),
-            turn: config.writer_lock_wait.min(KEY_TURN),
+            row_waits,
+            turn: turn(config),
             writing: 0,
             timer: None,
             meter: metrics.meter("completer"),

@@ -350,6 +350,9 @@ fn build(
         });
         Metered::new(addr, metrics.meter("reaper"))
     };
+    let row_waits = Arc::new(tokio::sync::Semaphore::new(
+        crate::actor::completer::row_waiters(config.connections),
+    ));
     let completer = Metered::new(
         Completer::new(
             store.clone(),
@@ -357,6 +360,7 @@ fn build(
             registry.kinds(),
             &config,
             metrics.clone(),
+            row_waits.clone(),
         )
         .start(),
         metrics.meter("completer"),
@@ -374,6 +378,8 @@ fn build(
     };
     let env = Arc::new(Env {
         claim_store,
+        ending_store: store.with_lock_wait_everywhere(crate::actor::completer::turn(&config)),
+        row_waits,
         store: store.clone(),
         handler_store,
         host_store,

@@ -165,6 +165,8 @@ struct Inner {
     /// sets for itself (`SET LOCAL`), where a session setting cannot be used. The
     /// scheduler's writer store has one (see `scheduler::pools::SidePools::writer`).
     lock_wait: Option<std::time::Duration>,
+    /// `lock_wait` holds without a pooler too (see [`Store::with_lock_wait_everywhere`]).
+    lock_wait_everywhere: bool,
     /// The attempts and priority of each kind a scheduler registered
     /// ([`crate::KindPolicy`]), applied at every enqueue through this store and every
     /// store made from it: the scheduler's own enqueues, its periodic fires, its
@@ -195,6 +197,7 @@ impl Store {
                 sql,
                 wakeups: wakeups::Wakeups::default(),
                 lock_wait: None,
+                lock_wait_everywhere: false,
                 kinds: Arc::default(),
                 retention: Arc::default(),
                 pooler,
@@ -244,7 +247,7 @@ impl Store {
 
     /// The same store over another pool (the scheduler's maintenance connections).
     pub fn with_pool(&self, pool: PgPool) -> Store {
-        self.derived(pool, None, self.inner.kinds.clone())
+        self.derived(pool, None, false, self.inner.kinds.clone())
     }
 
     /// A store sharing this one's schema, options and kinds' policies, with its own statements
@@ -253,6 +256,7 @@ impl Store {
         &self,
         pool: PgPool,
         lock_wait: Option<Duration>,
+        lock_wait_everywhere: bool,
         kinds: Arc<HashMap<String, crate::KindPolicy>>,
     ) -> Store {
         let i = &self.inner;
@@ -264,6 +268,7 @@ impl Store {
                 sql: Statements::render(&i.schema),
                 wakeups: wakeups::Wakeups::default(),
                 lock_wait,
+                lock_wait_everywhere,
                 kinds,
                 retention: i.retention.clone(),
                 pooler: i.pooler.clone(),
@@ -277,7 +282,19 @@ impl Store {
     /// Without a pooler it changes nothing: give the pool's sessions the setting.
     pub(crate) fn with_pooled_lock_wait(&self, wait: std::time::Duration) -> Store {
         let i = &self.inner;
-        self.derived(i.pool.clone(), Some(wait), i.kinds.clone())
+        self.derived(i.pool.clone(), Some(wait), false, i.kinds.clone())
+    }
+
+    /// This store with every transaction and statement it runs waiting at most `wait`
+    /// for a lock, with or without a pooler: `SET LOCAL lock_timeout` sent with each
+    /// `BEGIN`, and a statement sent on its own gets a transaction of its own for it (two
+    /// more round trips). For the endings the executor writes itself (failures, snoozes,
+    /// releases): one whose row another session holds must give its connection back
+    /// after a short turn, not hold one of the writer's few connections for the session's
+    /// whole `lock_timeout` while every other job's ending waits for a connection.
+    pub(crate) fn with_lock_wait_everywhere(&self, wait: std::time::Duration) -> Store {
+        let i = &self.inner;
+        self.derived(i.pool.clone(), Some(wait), true, i.kinds.clone())
     }
 
     /// This store applying each kind's attempts and priority of `policies` to every job
@@ -289,6 +306,7 @@ impl Store {
         self.derived(
             i.pool.clone(),
             i.lock_wait,
+            i.lock_wait_everywhere,
             Arc::new(policies.into_iter().collect()),
         )
     }
@@ -310,7 +328,7 @@ impl Store {
     fn pooled_lock_wait(&self) -> Option<std::time::Duration> {
         self.inner
             .lock_wait
-            .filter(|_| self.inner.options.transaction_pooler)
+            .filter(|_| self.inner.options.transaction_pooler || self.inner.lock_wait_everywhere)
     }
 
     /// A connection of this store's pool for a transaction (or statements) of its own,
@@ -346,7 +364,7 @@ impl Store {
         exec::Db {
             pool: &self.inner.pool,
             pooler: &self.inner.pooler,
-            pooled: self.inner.options.transaction_pooler,
+            pooled: self.inner.options.transaction_pooler || self.inner.lock_wait_everywhere,
             lock_wait: self.pooled_lock_wait(),
         }
     }
@@ -357,7 +375,7 @@ impl Store {
         exec::On {
             conn,
             pooler: &self.inner.pooler,
-            pooled: self.inner.options.transaction_pooler,
+            pooled: self.inner.options.transaction_pooler || self.inner.lock_wait_everywhere,
             lock_wait: self.pooled_lock_wait(),
         }
     }
