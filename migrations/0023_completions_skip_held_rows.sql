@@ -14,6 +14,11 @@
 -- out: a held row is reported busy like a held key, and the caller writes it again alone,
 -- waiting a bounded turn (src/actor/completer.rs). The function of version 21 stays, for
 -- a scheduler of the previous build during a rolling deploy.
+--
+-- Each item also carries its job's effect_identity (p_identities), matched with the id,
+-- owner and generation: a schema dropped and created again restarts ids at 1, and the
+-- same process then claims the new job 1 with the same owner and generation as an
+-- attempt of the dropped schema's job 1 that is still running (src/job.rs, Fence).
 
 CREATE FUNCTION __SCHEMA__.complete_keyed(
     p_ids bigint[],
@@ -28,7 +33,8 @@ CREATE FUNCTION __SCHEMA__.complete_keyed(
     p_lease_secs float8,
     p_history boolean,
     p_channel text,
-    p_row_wait_ms integer)
+    p_row_wait_ms integer,
+    p_identities uuid[])
 RETURNS TABLE (row_kind text, id bigint, generation bigint, queue text, kind text,
                job_key text, key_seq bigint, priority smallint, payload jsonb,
                payload_bytes integer, attempts integer, max_attempts integer,
@@ -44,6 +50,7 @@ DECLARE
     lk text[];
     di bigint[];
     dg bigint[];
+    de uuid[];
     dq text[];
     dk text[];
     dc boolean[];
@@ -75,8 +82,8 @@ BEGIN
     IF p_row_wait_ms IS NULL THEN
         SELECT array_agg(l.id) INTO li FROM (
             SELECT j.id FROM __SCHEMA__.jobs j
-            JOIN unnest(p_ids, p_generations, p_queues, p_keys) AS i(id, g, q, k)
-              ON j.id = i.id AND j.generation = i.g
+            JOIN unnest(p_ids, p_generations, p_queues, p_keys, p_identities) AS i(id, g, q, k, e)
+              ON j.id = i.id AND j.generation = i.g AND j.effect_identity = i.e
             WHERE j.owner = p_owner AND j.state = 'running'
               AND EXISTS (SELECT 1 FROM unnest(lq, lk) AS l(q, k) WHERE l.q = i.q AND l.k = i.k)
             ORDER BY j.id
@@ -88,8 +95,8 @@ BEGIN
         END IF;
         SELECT array_agg(l.id) INTO li FROM (
             SELECT j.id FROM __SCHEMA__.jobs j
-            JOIN unnest(p_ids, p_generations, p_queues, p_keys) AS i(id, g, q, k)
-              ON j.id = i.id AND j.generation = i.g
+            JOIN unnest(p_ids, p_generations, p_queues, p_keys, p_identities) AS i(id, g, q, k, e)
+              ON j.id = i.id AND j.generation = i.g AND j.effect_identity = i.e
             WHERE j.owner = p_owner AND j.state = 'running'
               AND EXISTS (SELECT 1 FROM unnest(lq, lk) AS l(q, k) WHERE l.q = i.q AND l.k = i.k)
             ORDER BY j.id
@@ -103,17 +110,18 @@ BEGIN
     RETURN QUERY
     SELECT 'busy'::text, i.id, i.g, NULL::text, NULL::text, NULL::text, NULL::bigint,
            NULL::smallint, NULL::jsonb, NULL::integer, NULL::integer, NULL::integer,
-           NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::float8, NULL::text
-    FROM unnest(p_ids, p_generations, p_queues, p_keys) AS i(id, g, q, k)
+           NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::float8, i.e::text
+    FROM unnest(p_ids, p_generations, p_queues, p_keys, p_identities) AS i(id, g, q, k, e)
     WHERE NOT EXISTS (SELECT 1 FROM unnest(lq, lk) AS l(q, k) WHERE l.q = i.q AND l.k = i.k)
        OR (p_row_wait_ms IS NULL AND i.id <> ALL (coalesce(li, '{}'))
            AND EXISTS (SELECT 1 FROM __SCHEMA__.jobs j
                        WHERE j.id = i.id AND j.generation = i.g AND j.owner = p_owner
-                         AND j.state = 'running'));
+                         AND j.effect_identity = i.e AND j.state = 'running'));
 
     WITH items AS (
-        SELECT i.* FROM unnest(p_ids, p_generations, p_results, p_queues, p_keys, p_chain)
-          AS i(id, g, result, q, k, chain)
+        SELECT i.* FROM unnest(p_ids, p_generations, p_results, p_queues, p_keys, p_chain,
+                               p_identities)
+          AS i(id, g, result, q, k, chain, e)
         WHERE EXISTS (SELECT 1 FROM unnest(lq, lk) AS l(q, k) WHERE l.q = i.q AND l.k = i.k)
           AND i.id = ANY (li)
     ), u AS (
@@ -122,8 +130,8 @@ BEGIN
             lease_until = NULL
         FROM items
         WHERE j.id = items.id AND j.generation = items.g AND j.owner = p_owner
-          AND j.state = 'running'
-        RETURNING j.id, j.generation, j.queue, j.job_key, items.chain
+          AND j.effect_identity = items.e AND j.state = 'running'
+        RETURNING j.id, j.generation, j.effect_identity, j.queue, j.job_key, items.chain
     ), ev AS (
         INSERT INTO __SCHEMA__.job_events (job_id, generation, event, owner, at)
         SELECT u.id, u.generation, 'completed', p_owner, clock_timestamp() FROM u WHERE p_history
@@ -133,15 +141,15 @@ BEGIN
         FROM (SELECT u.queue, u.job_key, count(*) AS n FROM u GROUP BY u.queue, u.job_key) d
         WHERE jk.queue = d.queue AND jk.job_key = d.job_key
     )
-    SELECT array_agg(u.id), array_agg(u.generation), array_agg(u.queue), array_agg(u.job_key),
-           array_agg(u.chain)
-    INTO di, dg, dq, dk, dc FROM u;
+    SELECT array_agg(u.id), array_agg(u.generation), array_agg(u.effect_identity),
+           array_agg(u.queue), array_agg(u.job_key), array_agg(u.chain)
+    INTO di, dg, de, dq, dk, dc FROM u;
 
     RETURN QUERY
     SELECT 'done'::text, d.id, d.g, NULL::text, NULL::text, NULL::text, NULL::bigint,
            NULL::smallint, NULL::jsonb, NULL::integer, NULL::integer, NULL::integer,
-           NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::float8, NULL::text
-    FROM unnest(di, dg) AS d(id, g);
+           NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::float8, d.e::text
+    FROM unnest(di, dg, de) AS d(id, g, e);
 
     IF cardinality(dq) > 0 THEN
         RETURN QUERY
@@ -157,5 +165,5 @@ BEGIN
 END
 $fn$;
 
-COMMENT ON FUNCTION __SCHEMA__.complete_keyed(bigint[], bigint[], jsonb[], text[], text[], boolean[], integer, text, text[], float8, boolean, text, integer) IS
-    'Complete keyed jobs of p_owner in one call: lock their keys (skipped when held, unless p_wait_ms is set), then their rows (skipped when held if p_row_wait_ms is NULL, else waited for at most that long), complete, leave the keys, promote and chain-claim successors. Successors carry their effect_identity. See src/store/complete.rs and migrations/0023_completions_skip_held_rows.sql.';
+COMMENT ON FUNCTION __SCHEMA__.complete_keyed(bigint[], bigint[], jsonb[], text[], text[], boolean[], integer, text, text[], float8, boolean, text, integer, uuid[]) IS
+    'Complete keyed jobs of p_owner in one call: lock their keys (skipped when held, unless p_wait_ms is set), then their rows (skipped when held if p_row_wait_ms is NULL, else waited for at most that long), complete (each row matched by id, owner, generation and p_identities: ids repeat in a schema created again), leave the keys, promote and chain-claim successors. Busy and done rows carry the item''s effect_identity, successors theirs. See src/store/complete.rs and migrations/0023_completions_skip_held_rows.sql.';

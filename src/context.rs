@@ -648,7 +648,7 @@ impl JobContext {
         let found = self
             .inner
             .store
-            .effect_under(key.as_str(), &self.fence(), &self.inner.job.effect_identity)
+            .effect_under(key.as_str(), &self.fence())
             .await
             .map_err(|e| match e {
                 // A stored outcome no attempt can read: retrying would not help, and

@@ -107,11 +107,7 @@ impl Env {
             self.lease_deadline_after(sent),
         );
         let job = ctx.job();
-        if self
-            .running
-            .insert((job.id, job.generation), ctx.clone())
-            .is_none()
-        {
+        if self.running.insert(job.attempt(), ctx.clone()).is_none() {
             self.queue_limits.held(&job.queue, true);
         }
         ctx
@@ -119,11 +115,7 @@ impl Env {
 
     /// Stop tracking an attempt (its ending was written, or it was released).
     pub fn untrack(&self, ctx: &JobContext) {
-        if self
-            .running
-            .remove(&(ctx.job_id(), ctx.generation()))
-            .is_some()
-        {
+        if self.running.remove(&ctx.job().attempt()).is_some() {
             self.queue_limits.held(ctx.queue(), false);
         }
     }

@@ -638,17 +638,18 @@ async fn write_ending(
         // The handler completed inside its own transaction but that transaction did not
         // commit (it returned Ok regardless): the business write is gone, so the attempt
         // must not count as done. Fail it; the fence decides whether it is still ours.
-        Attempt::Succeeded(v) if ctx.completed_in_tx() => {
-            match with_retries(ctx, env, || env.store.completion_status(&fence)).await {
-                Ok(CompleteOutcome::Stale) => Attempt::Failed(Failure {
-                    reason: "the handler's transaction that completed the job did not commit"
-                        .into(),
-                    permanent: false,
-                    retry_after: None,
-                }),
-                _ => Attempt::Succeeded(v),
+        Attempt::Succeeded(v) if ctx.completed_in_tx() => match committed_in_tx(env, ctx).await {
+            Ok(true) => {
+                env.metrics.incr(|c| &c.completed);
+                return Ended::Completed;
             }
-        }
+            Ok(false) => Attempt::Failed(Failure {
+                reason: "the handler's transaction that completed the job did not commit".into(),
+                permanent: false,
+                retry_after: None,
+            }),
+            Err(_) => Attempt::Succeeded(v),
+        },
         Attempt::Succeeded(v) => match unstorable_result(env, &v) {
             Some(reason) => {
                 env.metrics.incr(|c| &c.results_refused);
@@ -780,7 +781,7 @@ async fn write_ending(
             }
         }
         Attempt::Release(reason) => {
-            let held = [(job.id, job.generation)];
+            let held = [job.attempt()];
             let released = with_turns(ctx, env, || {
                 env.ending_store.release_many(&env.owner, &held, reason)
             })
@@ -818,15 +819,35 @@ async fn completed_before(env: &Env, ctx: &JobContext, after: &str) -> Option<En
         return None;
     }
     let job = ctx.job();
-    let fence = job.fence();
-    match with_retries(ctx, env, || env.store.completion_status(&fence)).await {
-        Ok(CompleteOutcome::AlreadyCompleted { .. }) => {
+    match committed_in_tx(env, ctx).await {
+        Ok(true) => {
             env.metrics.incr(|c| &c.completed);
             tracing::warn!(job = %job.id, kind = %job.kind, attempt = job.attempt, after,
                 "leasehold handler went on after completing its job in its own transaction, which committed: the job is done");
             Some(Ended::Completed)
         }
         _ => None,
+    }
+}
+
+/// Whether the handler's own transaction, in which it completed its job
+/// ([`JobContext::complete_in`]), committed: the completion reads back as this attempt's,
+/// or the row is gone while this attempt's lease still runs. A rolled-back completion
+/// leaves the row running under this attempt's lease, and retention deletes only
+/// finished jobs, so a row gone meanwhile was completed by this attempt and then pruned
+/// (with a short retention, before the read-back): not a lost fence.
+async fn committed_in_tx(env: &Env, ctx: &JobContext) -> Result<bool> {
+    let job = ctx.job();
+    let fence = job.fence();
+    match with_retries(ctx, env, || env.store.completion_status(&fence)).await? {
+        CompleteOutcome::Completed | CompleteOutcome::AlreadyCompleted { .. } => Ok(true),
+        CompleteOutcome::Stale => {
+            if Instant::now() >= ctx.lease_deadline() {
+                return Ok(false);
+            }
+            let exists = with_retries(ctx, env, || env.store.attempt_row_exists(&fence)).await?;
+            Ok(!exists)
+        }
     }
 }
 

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 /// schema, database or restore has this identity; a job restored from a dump keeps its
 /// own (the same job: a retry gets the recorded outcome).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct EffectIdentity(String);
+pub struct EffectIdentity(Arc<str>);
 
 impl EffectIdentity {
     /// The identity of `text`, if it is one: a UUID as PostgreSQL prints it (hex digits,
@@ -41,7 +41,7 @@ impl EffectIdentity {
                 8 | 13 | 18 | 23 => *c == b'-',
                 _ => c.is_ascii_digit() || (b'a'..=b'f').contains(c),
             });
-        shaped.then(|| EffectIdentity(text.to_string()))
+        shaped.then(|| EffectIdentity(Arc::from(text)))
     }
 
     /// Length of an identity as text.
@@ -386,7 +386,13 @@ pub struct Enqueued {
 }
 
 /// The authority a worker holds over one claimed job: every later write carries it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// A write is applied only to the row with this id, owner, generation *and* identity,
+/// still running. The identity is there because the other three repeat: job ids restart
+/// at 1 in a schema dropped and created again, and a process's owner and a first claim's
+/// generation are the same there, so an attempt of the dropped schema's job 1 would
+/// otherwise hold the new job 1's fence.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Fence {
     /// The claimed job.
     pub job: JobId,
@@ -394,6 +400,37 @@ pub struct Fence {
     pub owner: OwnerId,
     /// The generation the claim gave it: a write carrying an older one is refused.
     pub generation: Generation,
+    /// The job's identity ([`EffectIdentity`]), unique across schemas and their
+    /// incarnations.
+    pub identity: EffectIdentity,
+}
+
+impl Fence {
+    /// The attempt this fence holds, as the batch writes of one owner name it.
+    pub fn attempt(&self) -> Attempt {
+        Attempt {
+            job: self.job,
+            generation: self.generation,
+            identity: self.identity.clone(),
+        }
+    }
+}
+
+/// One attempt of one job, as batch writes of one owner name it ([`Store::renew`],
+/// [`Store::release_many`], [`Store::complete_many`]): a [`Fence`] without its owner,
+/// which the batch gives once.
+///
+/// [`Store::renew`]: crate::Store::renew
+/// [`Store::release_many`]: crate::Store::release_many
+/// [`Store::complete_many`]: crate::Store::complete_many
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Attempt {
+    /// The claimed job.
+    pub job: JobId,
+    /// The claim's generation.
+    pub generation: Generation,
+    /// The job's identity (see [`Fence`] for why it is part of every write).
+    pub identity: EffectIdentity,
 }
 
 /// A job as handed to a worker by a claim.
@@ -448,12 +485,23 @@ impl ClaimedJob {
         u64::try_from(self.claimed_at.timestamp_micros()).unwrap_or(0)
     }
 
-    /// The fence every write about this attempt carries: id, owner and generation.
+    /// The fence every write about this attempt carries: id, owner, generation and the
+    /// job's identity.
     pub fn fence(&self) -> Fence {
         Fence {
             job: self.id,
             owner: self.owner.clone(),
             generation: self.generation,
+            identity: self.effect_identity.clone(),
+        }
+    }
+
+    /// This attempt, as the batch writes of its owner name it.
+    pub fn attempt(&self) -> Attempt {
+        Attempt {
+            job: self.id,
+            generation: self.generation,
+            identity: self.effect_identity.clone(),
         }
     }
 }

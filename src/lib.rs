@@ -27,8 +27,8 @@ pub use context::{CancelReason, EffectKey, JobContext};
 pub use error::{Error, Result};
 pub use handler::{Handler, JobError, KindPolicy, RetryDelay};
 pub use job::{
-    ClaimedJob, CompleteOutcome, DeadKeyPolicy, EffectIdentity, Enqueued, FailOutcome, Fence,
-    FenceOutcome, Generation, JobEvent, JobId, JobRecord, JobState, NewJob, OwnerId, Unique,
+    Attempt, ClaimedJob, CompleteOutcome, DeadKeyPolicy, EffectIdentity, Enqueued, FailOutcome,
+    Fence, FenceOutcome, Generation, JobEvent, JobId, JobRecord, JobState, NewJob, OwnerId, Unique,
     UniqueScope,
 };
 pub use metrics::MetricsSnapshot;

@@ -147,10 +147,7 @@ async fn claim_complete_fail_and_reap_go_on_when_the_role_lacks_insert_on_job_ev
         // release (graceful shutdown)
         let d = db.store.enqueue(job("k")).await.unwrap();
         let jd = claim_one(d, LEASE).await;
-        match store
-            .release_many(&w, &[(d, jd.generation)], "shutdown")
-            .await
-        {
+        match store.release_many(&w, &[jd.attempt()], "shutdown").await {
             Ok(r) if r == vec![d] => {}
             Ok(r) => broken.push(format!("release: {r:?}")),
             Err(e) => broken.push(format!("release: {}", short(&e))),

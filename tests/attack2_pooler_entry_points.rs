@@ -158,7 +158,7 @@ async fn every_entry_point_of_a_fresh_store_behind_an_untold_transaction_pooler_
         call!("complete", fresh().complete(&fence, None));
         call!(
             "complete_many",
-            fresh().complete_many(&w, &[(fence.job, fence.generation, None)])
+            fresh().complete_many(&w, &[(fence.attempt(), None)])
         );
         call!("completion_status", fresh().completion_status(&fence));
         call!(
@@ -168,15 +168,12 @@ async fn every_entry_point_of_a_fresh_store_behind_an_untold_transaction_pooler_
         call!("snooze", fresh().snooze(&fence, Duration::from_secs(60), 5));
         call!(
             "release_many",
-            fresh().release_many(&w, &[(fence.job, fence.generation)], "r")
+            fresh().release_many(&w, &[fence.attempt()], "r")
         );
-        call!(
-            "renew",
-            fresh().renew(&w, &[(fence.job, fence.generation)], LEASE)
-        );
+        call!("renew", fresh().renew(&w, &[fence.attempt()], LEASE));
         call!(
             "renew_recording",
-            fresh().renew_recording(&w, &[(fence.job, fence.generation, true)], LEASE)
+            fresh().renew_recording(&w, &[(fence.attempt(), true)], LEASE)
         );
         call!(
             "record_progress",

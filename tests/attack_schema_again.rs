@@ -73,7 +73,6 @@ async fn create_again(db: &TestDb) {
     }
 }
 
-#[ignore = "open (issue 31 note): fenced writes check (id, owner, generation), not the job's effect identity, so an attempt of a dropped schema's job can end the same id of the schema created again under the same process"]
 #[test]
 fn a_job_of_a_schema_created_again_is_not_ended_by_an_attempt_of_the_dropped_schemas_job() {
     run_in_system(async {

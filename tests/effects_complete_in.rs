@@ -292,6 +292,11 @@ enum After {
     /// Sleeps for a minute, whatever it is told: stopped by its run time, its lease
     /// deadline or a shutdown.
     Hang,
+    /// Deletes its own job (retention with nothing kept) before returning, as a retention
+    /// pass of another process may between the commit and the scheduler's read-back:
+    /// then returns ok, or (`PrunedThenError`) an error.
+    Pruned,
+    PrunedThenError,
 }
 
 /// Posts the job to `postings` and completes it in one transaction, commits, then does
@@ -299,6 +304,7 @@ enum After {
 struct CompleteThen<const TIMED: bool> {
     pool: PgPool,
     postings: String,
+    store: leasehold::Store,
 }
 
 impl<const TIMED: bool> Handler for CompleteThen<TIMED> {
@@ -345,6 +351,19 @@ impl<const TIMED: bool> Handler for CompleteThen<TIMED> {
                 tokio::time::sleep(Duration::from_secs(60)).await;
                 Ok(())
             }
+            After::Pruned | After::PrunedThenError => {
+                let pruned = self
+                    .store
+                    .prune_with(&leasehold::store::PruneOptions::new(Duration::ZERO))
+                    .await?;
+                assert!(pruned.jobs >= 1, "the done job was pruned: {pruned:?}");
+                match after {
+                    After::Pruned => Ok(()),
+                    _ => Err(JobError::retry(
+                        "the receipt e-mail failed after the commit",
+                    )),
+                }
+            }
         }
     }
 }
@@ -354,10 +373,12 @@ async fn start_complete_then(db: &TestDb, config: Config) -> Scheduler {
         .register(CompleteThen::<false> {
             pool: db.pool.clone(),
             postings: db.table("postings"),
+            store: db.store.clone(),
         })
         .register(CompleteThen::<true> {
             pool: db.pool.clone(),
             postings: db.table("postings"),
+            store: db.store.clone(),
         })
         .start()
         .await
@@ -414,34 +435,77 @@ fn assert_all_completed(m: &MetricsSnapshot, n: u64) {
     assert_eq!((c.leases_lost, c.lease_deadlines), (0, 0), "{c:?}");
 }
 
+/// One `complete_then` job per `after`, on a scheduler of `concurrency` slots and one
+/// writer connection, run until every attempt has ended.
+async fn run_each<const N: usize>(
+    name: &str,
+    concurrency: usize,
+    afters: [After; N],
+) -> (TestDb, Scheduler, Vec<JobId>) {
+    let db = TestDb::with_options(name, Default::default(), 3).await;
+    create_postings(&db).await;
+    let mut config = fast_config(&db.schema);
+    config.concurrency = concurrency;
+    config.connections = 1;
+    let s = start_complete_then(&db, config).await;
+    let mut ids = Vec::new();
+    for after in afters {
+        ids.push(
+            s.enqueue_job(NewJob::new(CompleteThen::<false>::KIND, &after).unwrap())
+                .await
+                .unwrap(),
+        );
+    }
+    wait_until(20, "every attempt to end", || async {
+        ended(&s.metrics()) >= N as u64
+    })
+    .await;
+    (db, s, ids)
+}
+
 #[test]
 fn an_error_or_a_panic_after_a_committed_complete_in_ends_completed_not_stale() {
     run_in_system(async {
         within(60, "errors after committed completions", async {
-            let db = TestDb::with_options("cin_after_error", Default::default(), 3).await;
-            create_postings(&db).await;
-            let mut config = fast_config(&db.schema);
-            config.concurrency = 2;
-            config.connections = 1;
-            let s = start_complete_then(&db, config).await;
-            let mut ids = Vec::new();
-            for after in [After::Error, After::Panic] {
-                ids.push(
-                    s.enqueue_job(NewJob::new(CompleteThen::<false>::KIND, &after).unwrap())
-                        .await
-                        .unwrap(),
-                );
-            }
-            wait_until(20, "both attempts to end", || async {
-                ended(&s.metrics()) >= 2
-            })
-            .await;
+            let (db, s, ids) = run_each("cin_after_error", 2, [After::Error, After::Panic]).await;
             for &id in &ids {
                 assert_done_by_its_transaction(&db, id).await;
             }
             let m = s.metrics();
             assert_all_completed(&m, 2);
             assert_eq!(m.counters.panics, 1, "{:?}", m.counters);
+            s.shutdown().await.unwrap();
+            db.drop().await;
+        })
+        .await
+    })
+}
+
+/// Found by the fault harness's `false_stale` rule: with a short retention, a retention
+/// pass deleted the done job between the handler's commit and the scheduler's read-back,
+/// which then found no row and failed the attempt as "did not commit", counted stale.
+#[test]
+fn a_job_completed_in_its_transaction_and_pruned_before_the_read_back_ends_completed_not_stale() {
+    run_in_system(async {
+        within(60, "completions pruned before their read-back", async {
+            let (db, s, ids) =
+                run_each("cin_pruned", 1, [After::Pruned, After::PrunedThenError]).await;
+            for &id in &ids {
+                assert!(
+                    matches!(
+                        db.store.job(id).await,
+                        Err(leasehold::Error::JobNotFound(_))
+                    ),
+                    "job {id} was pruned"
+                );
+                assert_eq!(
+                    db.count_where("postings", &format!("job_id = {}", id.0))
+                        .await,
+                    1,
+                    "job {id}'s posting committed once"
+                );
+            }
+            assert_all_completed(&s.metrics(), 2);
             s.shutdown().await.unwrap();
             db.drop().await;
         })

@@ -80,7 +80,7 @@ async fn advance_generation_to(db: &TestDb, id: JobId, generation: i64) {
         assert_eq!((got[0].id, got[0].generation), (id, Generation(g)));
         let released = db
             .store
-            .release_many(&warm, &[(id, got[0].generation)], "warm-up")
+            .release_many(&warm, &[got[0].attempt()], "warm-up")
             .await
             .unwrap();
         assert_eq!(released, vec![id]);

@@ -164,7 +164,7 @@ async fn an_attempt_whose_lease_was_taken_back_is_stopped_before_it_acts() {
             .store
             .renew(
                 &owner("a"),
-                &[(a.id, a.generation)],
+                &[a.attempt()],
                 std::time::Duration::from_secs(1),
             )
             .await;

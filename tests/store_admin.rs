@@ -178,11 +178,7 @@ async fn continue_policy_also_applies_when_the_reaper_kills_the_head() {
         let w = owner("w");
         let head = claim_one(&db, &w).await;
         // The head's handler starts (its renewal records that), then its worker dies.
-        let renewed = db
-            .store
-            .renew(&w, &[(head.id, head.generation)], LEASE)
-            .await
-            .unwrap();
+        let renewed = db.store.renew(&w, &[head.attempt()], LEASE).await.unwrap();
         let at = secs_after(renewed.renewed[0].1, 1);
         assert_eq!(
             db.store
@@ -251,10 +247,10 @@ async fn cancelling_a_head_promotes_its_successor() {
         );
         let renewal = db
             .store
-            .renew(&w, &[(running.id, running.generation)], LEASE)
+            .renew(&w, &[running.attempt()], LEASE)
             .await
             .unwrap();
-        assert_eq!(renewal.cancel_requested, vec![running.id]);
+        assert_eq!(renewal.cancel_requested, vec![running.attempt()]);
         assert!(renewal.lost.is_empty());
         assert_eq!(
             db.store
@@ -552,7 +548,7 @@ async fn history_lists_every_transition_with_its_generation_and_actor() {
             .unwrap();
         let j = claim_one(&db, &a).await;
         db.store
-            .release_many(&a, &[(id, j.generation)], "shutting down")
+            .release_many(&a, &[j.attempt()], "shutting down")
             .await
             .unwrap();
         db.store.hold(id).await.unwrap();

@@ -62,14 +62,10 @@ async fn cancel_requested(test: &str) -> Requested {
         db.store.cancel(head.id, "again").await.unwrap(),
         CancelOutcome::Requested
     );
-    let renewal = db
-        .store
-        .renew(&w, &[(head.id, head.generation)], LEASE)
-        .await
-        .unwrap();
-    assert_eq!(renewal.cancel_requested, vec![head.id]);
+    let renewal = db.store.renew(&w, &[head.attempt()], LEASE).await.unwrap();
+    assert_eq!(renewal.cancel_requested, vec![head.attempt()]);
     assert_eq!(
-        renewal.renewed.iter().map(|r| r.0).collect::<Vec<_>>(),
+        renewal.renewed.iter().map(|r| r.0.job).collect::<Vec<_>>(),
         vec![head.id],
         "the owner keeps its lease until it stops"
     );

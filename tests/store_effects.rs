@@ -241,7 +241,7 @@ async fn completion_reply_lost_asking_again_returns_stored_result_without_rerun(
         );
         let batch = db
             .store
-            .complete_many(&me, &[(id, j.generation, None)])
+            .complete_many(&me, &[(j.attempt(), None)])
             .await
             .unwrap();
         assert_eq!(

@@ -26,7 +26,7 @@ async fn advance_generation_to(db: &TestDb, id: JobId, generation: i64) {
         assert_eq!((got[0].id, got[0].generation), (id, Generation(g)));
         let released = db
             .store
-            .release_many(&warm, &[(id, got[0].generation)], "warm-up")
+            .release_many(&warm, &[got[0].attempt()], "warm-up")
             .await
             .unwrap();
         assert_eq!(released, vec![id]);
@@ -132,12 +132,8 @@ async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
             db.store.completion_status(&a_job.fence()).await.unwrap(),
             CompleteOutcome::Stale
         );
-        let renew = db
-            .store
-            .renew(&a, &[(id, a_job.generation)], LEASE)
-            .await
-            .unwrap();
-        assert_eq!(renew.lost, vec![id]);
+        let renew = db.store.renew(&a, &[a_job.attempt()], LEASE).await.unwrap();
+        assert_eq!(renew.lost, vec![a_job.attempt()]);
         assert!(renew.renewed.is_empty());
         let fail = db
             .store
@@ -167,7 +163,7 @@ async fn late_completion_by_generation_7_is_stale_while_generation_8_runs() {
         assert_eq!(rec, RecordOutcome::Stale);
         assert!(db
             .store
-            .release_many(&a, &[(id, a_job.generation)], "A")
+            .release_many(&a, &[a_job.attempt()], "A")
             .await
             .unwrap()
             .is_empty());
@@ -297,7 +293,7 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
         );
         let outcomes = db
             .store
-            .complete_many(&me, &[(id, old.generation, Some(serde_json::json!("old")))])
+            .complete_many(&me, &[(old.attempt(), Some(serde_json::json!("old")))])
             .await
             .unwrap();
         assert_eq!(outcomes, vec![CompleteOutcome::Stale]);
@@ -317,11 +313,11 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
         assert_eq!(fail, FailOutcome::Stale);
         assert_eq!(
             db.store
-                .renew(&me, &[(id, old.generation)], LEASE)
+                .renew(&me, &[old.attempt()], LEASE)
                 .await
                 .unwrap()
                 .lost,
-            vec![id]
+            vec![old.attempt()]
         );
         assert_eq!(
             db.store
@@ -338,7 +334,7 @@ async fn same_owner_stale_generation_is_refused_by_the_generation_check() {
         );
         assert!(db
             .store
-            .release_many(&me, &[(id, old.generation)], "old")
+            .release_many(&me, &[old.attempt()], "old")
             .await
             .unwrap()
             .is_empty());
@@ -418,8 +414,8 @@ async fn batched_completion_applies_only_current_generations() {
             .complete_many(
                 &me,
                 &[
-                    (ids[0], first_g1.generation, None),
-                    (ids[1], fresh.generation, Some(serde_json::json!(2))),
+                    (first_g1.attempt(), None),
+                    (fresh.attempt(), Some(serde_json::json!(2))),
                 ],
             )
             .await
@@ -434,6 +430,145 @@ async fn batched_completion_applies_only_current_generations() {
         db.assert_effect_once(ids[1], 2, 2).await;
         assert_eq!(db.assert_done_jobs_have_their_effects().await, 1);
         assert_eq!(db.assert_no_duplicate_effects().await, 2);
+        db.drop().await;
+    })
+    .await
+}
+
+/// The same fence with another job identity: what an attempt of a dropped schema's job
+/// holds once the schema is created again under the same process (ids, owner and a
+/// first generation repeat there; the identity does not).
+fn of_another_incarnation(fence: &leasehold::Fence) -> leasehold::Fence {
+    let mut other = fence.clone();
+    other.identity =
+        leasehold::EffectIdentity::parse("00000000-0000-4000-8000-000000000001").unwrap();
+    assert_ne!(other.identity, fence.identity);
+    other
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_of_another_job_identity_writes_nothing_on_any_fenced_path() {
+    bounded(async {
+        let db = TestDb::new("fencing_identity").await;
+        let plain = db.store.enqueue(job("k")).await.unwrap();
+        let in_key = db.store.enqueue(keyed("k", "acct", 1)).await.unwrap();
+        let me = owner("proc");
+        let claimed = db.store.claim(&claim_req(&me, 2)).await.unwrap();
+        assert_eq!(claimed.len(), 2);
+        let json = serde_json::json!("from the other incarnation");
+        for j in &claimed {
+            let other = of_another_incarnation(&j.fence());
+            let wrong = other.attempt();
+            let what = format!("job {} (keyed: {})", j.id, j.key.is_some());
+            assert_eq!(
+                db.store.complete(&other, Some(json.clone())).await.unwrap(),
+                CompleteOutcome::Stale,
+                "complete, {what}"
+            );
+            let mut conn = db.pool.acquire().await.unwrap();
+            let mut tx = conn.begin().await.unwrap();
+            assert_eq!(
+                db.store
+                    .complete_in(&mut tx, &other, Some(json.clone()))
+                    .await
+                    .unwrap(),
+                CompleteOutcome::Stale,
+                "complete_in, {what}"
+            );
+            tx.commit().await.unwrap();
+            assert_eq!(
+                db.store
+                    .complete_many(&me, &[(wrong.clone(), Some(json.clone()))])
+                    .await
+                    .unwrap(),
+                vec![CompleteOutcome::Stale],
+                "complete_many, {what}"
+            );
+            assert_eq!(
+                db.store.completion_status(&other).await.unwrap(),
+                CompleteOutcome::Stale,
+                "completion_status, {what}"
+            );
+            let failure = Failure {
+                reason: "the other incarnation failed".into(),
+                permanent: true,
+                retry_after: None,
+            };
+            assert_eq!(
+                db.store
+                    .fail(&other, &failure, &fixed_backoff(1))
+                    .await
+                    .unwrap(),
+                FailOutcome::Stale,
+                "fail, {what}"
+            );
+            assert_eq!(
+                db.store
+                    .snooze(&other, std::time::Duration::from_secs(60), 5)
+                    .await
+                    .unwrap(),
+                None,
+                "snooze, {what}"
+            );
+            let renewal = db
+                .store
+                .renew(&me, std::slice::from_ref(&wrong), LEASE)
+                .await
+                .unwrap();
+            assert!(renewal.renewed.is_empty(), "renew, {what}: {renewal:?}");
+            assert_eq!(renewal.lost, vec![wrong.clone()], "renew, {what}");
+            assert!(
+                db.store
+                    .release_many(&me, std::slice::from_ref(&wrong), "other")
+                    .await
+                    .unwrap()
+                    .is_empty(),
+                "release_many, {what}"
+            );
+            assert_eq!(
+                db.store.record_progress(&other, &json).await.unwrap(),
+                leasehold::FenceOutcome::Stale,
+                "record_progress, {what}"
+            );
+            assert_eq!(
+                db.store
+                    .record_effect(
+                        &other,
+                        &format!("{}/{}/charge", other.identity, j.id),
+                        "fp",
+                        &json,
+                        std::time::Duration::from_secs(3600),
+                    )
+                    .await
+                    .unwrap(),
+                RecordOutcome::Stale,
+                "record_effect, {what}"
+            );
+            let rec = db.store.job(j.id).await.unwrap();
+            assert_eq!(
+                (
+                    rec.state,
+                    rec.generation,
+                    rec.progress.clone(),
+                    rec.last_error.clone()
+                ),
+                (JobState::Running, j.generation, None, None),
+                "{what}: a write of the other incarnation landed"
+            );
+            assert!(
+                db.store.job_effects(j.id).await.unwrap().is_empty(),
+                "{what}: an effect landed"
+            );
+        }
+        // The job's own fences still hold: both complete.
+        for j in &claimed {
+            assert_eq!(
+                db.store.complete(&j.fence(), None).await.unwrap(),
+                CompleteOutcome::Completed
+            );
+        }
+        assert_eq!(db.state_of(plain).await, "done");
+        assert_eq!(db.state_of(in_key).await, "done");
         db.drop().await;
     })
     .await

@@ -60,8 +60,8 @@ async fn one_batch_with_two_generations_of_a_job_completes_only_the_current_one(
             .complete_many(
                 &w,
                 &[
-                    (id, old.generation, Some(json!("old"))),
-                    (id, current.generation, Some(json!("current"))),
+                    (old.attempt(), Some(json!("old"))),
+                    (current.attempt(), Some(json!("current"))),
                 ],
             )
             .await
@@ -102,8 +102,8 @@ async fn one_batch_with_two_generations_of_a_keyed_job_completes_only_the_curren
             .complete_many(
                 &w,
                 &[
-                    (ids[0], current.generation, Some(json!("current"))),
-                    (ids[0], old.generation, Some(json!("old"))),
+                    (current.attempt(), Some(json!("current"))),
+                    (old.attempt(), Some(json!("old"))),
                 ],
             )
             .await

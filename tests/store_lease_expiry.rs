@@ -158,7 +158,7 @@ async fn expired_lease_with_attempts_spent_makes_the_job_dead() {
         // lease holds, then stalls past it.
         let renewed = db
             .store
-            .renew(&a, &[(got[0].id, got[0].generation)], LEASE)
+            .renew(&a, &[got[0].attempt()], LEASE)
             .await
             .unwrap();
         assert_eq!(renewed.renewed.len(), 1);
@@ -228,11 +228,7 @@ async fn renewal_moves_the_deadline_and_keeps_the_reaper_away() {
         let first_deadline = got[0].lease_until;
         let report = db
             .store
-            .renew(
-                &a,
-                &[(id, got[0].generation)],
-                std::time::Duration::from_secs(600),
-            )
+            .renew(&a, &[got[0].attempt()], std::time::Duration::from_secs(600))
             .await
             .unwrap();
         assert!(report.lost.is_empty());

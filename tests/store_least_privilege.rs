@@ -396,10 +396,7 @@ async fn store_calls(db: &TestDb, store: &Store, pending: JobId) {
         .is_empty());
     let job = store.claim(&claim_req(&w, 10)).await.unwrap().remove(0);
     assert_eq!(job.id, pending);
-    let renewed = store
-        .renew(&w, &[(job.id, job.generation)], LEASE)
-        .await
-        .unwrap();
+    let renewed = store.renew(&w, &[job.attempt()], LEASE).await.unwrap();
     assert!(renewed.lost.is_empty(), "{renewed:?}");
     let reaped = store
         .reap(&owner("reaper"), &fixed_backoff(0), 10, Some(far_future()))

@@ -61,22 +61,22 @@ async fn renewal_never_waits_for_a_locked_job_and_tells_busy_from_lost() {
 
         let mut host = db.raw_conn("host").await;
         lock_job_row(&db, &mut host, held.id).await;
-        let batch = [
-            (held.id, held.generation),
-            (free.id, free.generation),
-            (g1.id, g1.generation),
-        ];
+        let batch = [held.attempt(), free.attempt(), g1.attempt()];
         let report = within(5, "renewal with a job row locked elsewhere", async {
             db.store.renew(&w, &batch, LEASE).await.unwrap()
         })
         .await;
-        assert_eq!(report.busy, vec![held.id], "{report:?}");
+        assert_eq!(report.busy, vec![held.attempt()], "{report:?}");
         assert_eq!(
-            report.renewed.iter().map(|r| r.0).collect::<Vec<_>>(),
+            report.renewed.iter().map(|r| r.0.job).collect::<Vec<_>>(),
             vec![free.id],
             "{report:?}"
         );
-        assert_eq!(report.lost, vec![moved], "{report:?}");
+        assert_eq!(
+            report.lost.iter().map(|a| a.job).collect::<Vec<_>>(),
+            vec![moved],
+            "{report:?}"
+        );
         let now: chrono::DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
             .fetch_one(&db.pool)
             .await
@@ -92,11 +92,7 @@ async fn renewal_never_waits_for_a_locked_job_and_tells_busy_from_lost() {
         sqlx::query("ROLLBACK").execute(&mut host).await.unwrap();
         let report = db
             .store
-            .renew(
-                &w,
-                &[(held.id, held.generation), (g2.id, g2.generation)],
-                LEASE,
-            )
+            .renew(&w, &[held.attempt(), g2.attempt()], LEASE)
             .await
             .unwrap();
         assert!(

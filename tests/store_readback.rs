@@ -211,7 +211,7 @@ async fn results_too_deep_or_with_nul_are_refused_on_every_path_and_127_levels_r
                 );
                 let e = db
                     .store
-                    .complete_many(&w, &[(j.id, j.generation, Some(bad()))])
+                    .complete_many(&w, &[(j.attempt(), Some(bad()))])
                     .await
                     .unwrap_err();
                 assert!(matches!(e, Error::InvalidInput { field: "result", .. }), "{e}");

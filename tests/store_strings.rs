@@ -85,10 +85,7 @@ async fn hostile_queue_kind_and_key_strings_round_trip_unchanged() {
             // Every path that wakes workers of the queue (release, reap, promotion,
             // operator release) copes with the name.
             assert_eq!(
-                db.store
-                    .release_many(&w, &[(id, j.generation)], s)
-                    .await
-                    .unwrap(),
+                db.store.release_many(&w, &[j.attempt()], s).await.unwrap(),
                 vec![id],
                 "{what}: release"
             );

@@ -43,16 +43,13 @@ async fn completions_and_renewals_look_jobs_up_by_id_on_a_never_analyzed_table()
         // The writes, on a session of their own, which then ends.
         let pool = db.other_pool("writer", 1).await;
         let writer = Store::new(pool.clone(), &db.schema, StoreOptions::default()).unwrap();
-        let renewed: Vec<_> = running[..50].iter().map(|j| (j.id, j.generation)).collect();
+        let renewed: Vec<_> = running[..50].iter().map(|j| j.attempt()).collect();
         let report = writer
             .renew(&w, &renewed, Duration::from_secs(30))
             .await
             .unwrap();
         assert_eq!(report.renewed.len(), 50);
-        let items: Vec<_> = running[..50]
-            .iter()
-            .map(|j| (j.id, j.generation, None))
-            .collect();
+        let items: Vec<_> = running[..50].iter().map(|j| (j.attempt(), None)).collect();
         let outcomes = writer.complete_many(&w, &items).await.unwrap();
         assert!(outcomes
             .iter()

@@ -34,7 +34,7 @@ pub async fn claim_latency(store: &Store, iterations: usize, limit: i64) -> f64 
         let jobs = store.claim(&req).await.expect("claim");
         took.push(t.elapsed().as_secs_f64() * 1e3);
         assert_eq!(jobs.len() as i64, limit, "claim found too few jobs");
-        let items: Vec<_> = jobs.iter().map(|j| (j.id, j.generation, None)).collect();
+        let items: Vec<_> = jobs.iter().map(|j| (j.attempt(), None)).collect();
         store.complete_many(&owner, &items).await.expect("complete");
     }
     percentile(&took, 0.5)

@@ -438,7 +438,7 @@ pub async fn micro(store: &Store, opts: &PgConnectOptions, batch: i64, rounds: u
         let t = Instant::now();
         let jobs = store.claim(&req).await.expect("claim");
         lc.push(t.elapsed().as_secs_f64() * 1e3);
-        let items: Vec<_> = jobs.iter().map(|j| (j.id, j.generation, None)).collect();
+        let items: Vec<_> = jobs.iter().map(|j| (j.attempt(), None)).collect();
         let t = Instant::now();
         store.complete_many(&owner, &items).await.expect("complete");
         lw.push(t.elapsed().as_secs_f64() * 1e3);

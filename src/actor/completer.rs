@@ -252,7 +252,7 @@ impl Writer {
         }
         let items: Vec<_> = batch
             .iter()
-            .map(|c| (c.fence.job, c.fence.generation, c.result.clone()))
+            .map(|c| (c.fence.attempt(), c.result.clone()))
             .collect();
         let written = match wait {
             true => {
@@ -320,7 +320,7 @@ impl Writer {
         let items: Vec<KeyedItem> = batch
             .iter()
             .map(|c| KeyedItem {
-                item: (c.fence.job, c.fence.generation, c.result.clone()),
+                item: (c.fence.attempt(), c.result.clone()),
                 key: c.key.clone().expect("keyed completions have a key"),
                 chain: c.chain,
             })
@@ -386,7 +386,7 @@ impl Writer {
         })) = c.reply.send(Ok(Completed { outcome, successor }))
         {
             // Its sequencer is gone: give the successor back at once.
-            let held = [(next.id, next.generation)];
+            let held = [next.attempt()];
             let _ = self
                 .store
                 .release_many(&self.owner, &held, "chained successor had no taker")

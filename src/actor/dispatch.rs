@@ -205,7 +205,7 @@ async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static 
         if left.is_empty() {
             return;
         }
-        let held: Vec<_> = left.iter().map(|j| (j.job_id(), j.generation())).collect();
+        let held: Vec<_> = left.iter().map(|j| j.job().attempt()).collect();
         let e = match env.store.release_many(&env.owner, &held, reason).await {
             Ok(ids) => {
                 env.metrics.add(|c| &c.released, ids.len() as u64);
@@ -217,7 +217,7 @@ async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static 
             Err(e) if e.is_lock_wait() && left.len() > 1 => {
                 let mut still = Vec::new();
                 for j in left {
-                    let one = [(j.job_id(), j.generation())];
+                    let one = [j.job().attempt()];
                     match env.store.release_many(&env.owner, &one, reason).await {
                         Ok(ids) => env.metrics.add(|c| &c.released, ids.len() as u64),
                         Err(_) => still.push(j),

@@ -56,12 +56,14 @@ use dashmap::DashMap;
 use sqlx::PgPool;
 
 use crate::context::{CancelReason, JobContext};
-use crate::job::{Generation, JobId, OwnerId};
+use crate::job::{Attempt, EffectIdentity, Generation, JobId, OwnerId};
 use crate::metrics::{MailboxMeter, Metrics};
 use crate::store::Store;
 
-/// Attempts this scheduler holds, by job and generation (see `Env::running`).
-pub(crate) type Running = Arc<DashMap<(JobId, Generation), JobContext>>;
+/// Attempts this scheduler holds, by job, generation and identity (see `Env::running`):
+/// the identity tells apart the same id and generation of two incarnations of a schema
+/// (see [`Fence`](crate::Fence)).
+pub(crate) type Running = Arc<DashMap<Attempt, JobContext>>;
 
 /// Renew now; resolves with (renewed, lost) counts.
 #[derive(Message)]
@@ -136,21 +138,35 @@ impl LeaseRenewer {
         }
     }
 
-    /// The newest running generation of each job; older ones are told they lost.
-    fn newest(&self) -> Vec<(JobId, Generation)> {
-        let mut newest: HashMap<JobId, Generation> = HashMap::new();
+    /// The newest running generation of each job; older ones are told they lost. A job
+    /// is its id and identity: the same id of another incarnation of the schema is
+    /// another job (its renewal finds it lost).
+    fn newest(&self) -> Vec<Attempt> {
+        let mut newest: HashMap<(JobId, EffectIdentity), Generation> = HashMap::new();
         for entry in self.running.iter() {
-            let (job, generation) = *entry.key();
-            let g = newest.entry(job).or_insert(generation);
-            *g = (*g).max(generation);
+            let a = entry.key();
+            let g = newest
+                .entry((a.job, a.identity.clone()))
+                .or_insert(a.generation);
+            *g = (*g).max(a.generation);
         }
         for entry in self.running.iter() {
-            let (job, generation) = *entry.key();
-            if newest.get(&job).is_some_and(|g| *g > generation) {
-                lost(&self.metrics, job, generation, entry.value());
+            let a = entry.key();
+            if newest
+                .get(&(a.job, a.identity.clone()))
+                .is_some_and(|g| *g > a.generation)
+            {
+                lost(&self.metrics, a.job, a.generation, entry.value());
             }
         }
-        newest.into_iter().collect()
+        newest
+            .into_iter()
+            .map(|((job, identity), generation)| Attempt {
+                job,
+                generation,
+                identity,
+            })
+            .collect()
     }
 
     fn renew_once(&mut self) -> Option<impl ActorFuture<Self, Output = (usize, usize)>> {
@@ -176,23 +192,23 @@ impl LeaseRenewer {
         if self.running.is_empty() {
             return None;
         }
-        let jobs: Vec<(JobId, Generation, bool)> = self
+        let jobs: Vec<(Attempt, bool)> = self
             .newest()
             .into_iter()
-            .filter_map(|(id, generation)| {
-                let ctx = self.running.get(&(id, generation))?;
+            .filter_map(|attempt| {
+                let ctx = self.running.get(&attempt)?;
                 let ctx = ctx.value();
                 if starts_only && (!ctx.start_unrecorded() || ctx.is_ending()) {
                     return None;
                 }
-                Some((id, generation, ctx.has_started()))
+                let started = ctx.has_started();
+                Some((attempt, started))
             })
             .collect();
         if jobs.is_empty() {
             return None;
         }
-        let sent_jobs: HashMap<JobId, (Generation, bool)> =
-            jobs.iter().map(|&(j, g, s)| (j, (g, s))).collect();
+        let sent_jobs: HashMap<Attempt, bool> = jobs.iter().cloned().collect();
         // Separate flags: a starts-only pass in flight never makes a full renewal (or a
         // `RenewNow`) wait or skip.
         if starts_only {
@@ -267,30 +283,24 @@ impl LeaseRenewer {
         &mut self,
         report: crate::store::RenewReport,
         sent: Instant,
-        generation_of: &HashMap<JobId, (Generation, bool)>,
+        started: &HashMap<Attempt, bool>,
     ) -> (usize, usize) {
-        let attempt = |id: &JobId| {
-            generation_of.get(id).map(|(g, _)| g).and_then(|g| {
-                self.running
-                    .get(&(*id, *g))
-                    .map(|e| (*g, e.value().clone()))
-            })
-        };
+        let attempt = |a: &Attempt| self.running.get(a).map(|e| e.value().clone());
         self.metrics
             .add(|c| &c.leases_renewed, report.renewed.len() as u64);
         self.metrics
             .add(|c| &c.leases_busy, report.busy.len() as u64);
         let deadline = sent + self.confirmed_for;
-        for (id, _) in &report.renewed {
-            if let Some((_, ctx)) = attempt(id) {
+        for (a, _) in &report.renewed {
+            if let Some(ctx) = attempt(a) {
                 ctx.confirm_lease(deadline);
-                if generation_of.get(id).is_some_and(|(_, started)| *started) {
+                if started.get(a).is_some_and(|s| *s) {
                     ctx.start_recorded();
                 }
             }
         }
-        for id in &report.cancel_requested {
-            if let Some((_, ctx)) = attempt(id) {
+        for a in &report.cancel_requested {
+            if let Some(ctx) = attempt(a) {
                 if ctx.cancel_reason().is_none() {
                     self.metrics.incr(|c| &c.cancels_requested);
                     ctx.cancel(CancelReason::Cancelled);
@@ -298,10 +308,10 @@ impl LeaseRenewer {
             }
         }
         let mut n_lost = 0;
-        for id in &report.lost {
+        for a in &report.lost {
             // Ended meanwhile (no longer in the registry): not a loss.
-            if let Some((generation, ctx)) = attempt(id) {
-                n_lost += usize::from(lost(&self.metrics, *id, generation, &ctx));
+            if let Some(ctx) = attempt(a) {
+                n_lost += usize::from(lost(&self.metrics, a.job, a.generation, &ctx));
             }
         }
         (report.renewed.len(), n_lost)

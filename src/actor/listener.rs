@@ -77,7 +77,7 @@ fn cancel_hinted(running: &Running, renewer: &Metered<LeaseRenewer>, payload: &s
     let Ok(id) = payload.parse::<i64>() else {
         return;
     };
-    if running.iter().any(|e| e.key().0 .0 == id) {
+    if running.iter().any(|e| e.key().job.0 == id) {
         tracing::debug!(
             job = id,
             "leasehold cancel hinted; renewing now to read the row"

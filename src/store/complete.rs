@@ -1,6 +1,8 @@
 //! Fenced completions: one job, a batch of unkeyed jobs, a batch of keyed jobs.
 //!
-//! Each UPDATE is conditional on `(id, owner, generation, state='running')`. Zero rows
+//! Each UPDATE is conditional on `(id, owner, generation, effect_identity,
+//! state='running')` (the identity because the other three repeat in a schema created
+//! again: see [`Fence`](crate::Fence)). Zero rows
 //! means the worker lost authority, except when its own earlier completion already
 //! committed and the reply was lost: the read-back tells the two apart, so a retried
 //! completion returns the stored result instead of reporting a false `Stale`. Outcomes
@@ -24,7 +26,9 @@ use super::claim::claimed_from_row;
 use super::keys::{Chain, KeyRef};
 use super::{check_json, secs, JsonLimit, Store};
 use crate::error::Result;
-use crate::job::{ClaimedJob, CompleteOutcome, Fence, Generation, JobId, OwnerId};
+use crate::job::{
+    Attempt, ClaimedJob, CompleteOutcome, EffectIdentity, Fence, Generation, JobId, OwnerId,
+};
 
 /// Locks the job's key row (if any) before the job row: see the module docs. The
 /// initplan `(SELECT count(*) FROM kl)` runs before the UPDATE's scan locks the job.
@@ -36,8 +40,8 @@ WITH kl AS MATERIALIZED (
 ), u AS (
     UPDATE {s}.jobs
     SET state = 'done', result = $4, finished_at = clock_timestamp(), lease_until = NULL
-    WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
-      AND (SELECT count(*) FROM kl) >= 0
+    WHERE id = $1 AND owner = $2 AND generation = $3 AND effect_identity = $6::uuid
+      AND state = 'running' AND (SELECT count(*) FROM kl) >= 0
     RETURNING id, generation, queue, job_key
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
@@ -54,37 +58,40 @@ SELECT * FROM {s}.complete_keyed($1, $2, $3, $4, $5,
     ARRAY(SELECT c.chain AND NOT EXISTS (SELECT 1 FROM {s}.paused_queues p WHERE p.queue = c.q)
           FROM unnest($6::bool[], $4::text[]) WITH ORDINALITY AS c(chain, q, n)
           ORDER BY c.n),
-    $7, $8, $9, $10, $11, $12, $13)"#;
+    $7, $8, $9, $10, $11, $12, $13, $14::uuid[])"#;
 
 /// Unkeyed completions in one statement, waiting for job rows other sessions hold: at
-/// most `$6` milliseconds when set (`set_config(.., true)` lasts to the end of the
+/// most `$7` milliseconds when set (`set_config(.., true)` lasts to the end of the
 /// statement's own transaction; the initplan runs before the first row is locked), or as
 /// long as the session's `lock_timeout` allows.
 pub(super) const COMPLETE_UNKEYED: &str = r#"/* leasehold:complete_unkeyed */
 WITH c AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[]) AS t(id, generation, result)
+    SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[], $6::uuid[])
+      AS t(id, generation, result, identity)
 ), bound AS MATERIALIZED (
-    SELECT CASE WHEN $6::int4 IS NOT NULL
-                THEN set_config('lock_timeout', $6::int4 || 'ms', true) END AS s
+    SELECT CASE WHEN $7::int4 IS NOT NULL
+                THEN set_config('lock_timeout', $7::int4 || 'ms', true) END AS s
 ), u AS (
     UPDATE {s}.jobs j
     SET state = 'done', result = c.result, finished_at = clock_timestamp(), lease_until = NULL
     FROM c
-    WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation AND j.state = 'running'
+    WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation
+      AND j.effect_identity = c.identity AND j.state = 'running'
       AND j.job_key IS NULL AND (SELECT count(*) FROM bound) >= 0
-    RETURNING j.id, j.generation
+    RETURNING j.id, j.generation, j.effect_identity
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
     SELECT id, generation, 'completed', $4, clock_timestamp() FROM u WHERE $5
 )
-SELECT id, generation, true AS done FROM u"#;
+SELECT id, generation, effect_identity::text AS identity, true AS done FROM u"#;
 
 /// [`COMPLETE_UNKEYED`] skipping the job rows another session holds: the rows it could
 /// not lock that are still this owner's running attempt come back with `done` false
 /// (busy), and nothing is written for them.
 pub(super) const COMPLETE_UNKEYED_SKIPPING: &str = r#"/* leasehold:complete_unkeyed_skipping */
 WITH c AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[]) AS t(id, generation, result)
+    SELECT * FROM unnest($1::int8[], $2::int8[], $3::jsonb[], $6::uuid[])
+      AS t(id, generation, result, identity)
 ), l AS MATERIALIZED (
     SELECT j.id FROM {s}.jobs j
     WHERE j.id = ANY ($1) AND j.owner = $4 AND j.state = 'running' AND j.job_key IS NULL
@@ -93,29 +100,34 @@ WITH c AS (
     UPDATE {s}.jobs j
     SET state = 'done', result = c.result, finished_at = clock_timestamp(), lease_until = NULL
     FROM c JOIN l ON l.id = c.id
-    WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation AND j.state = 'running'
-      AND j.job_key IS NULL
-    RETURNING j.id, j.generation
+    WHERE j.id = c.id AND j.owner = $4 AND j.generation = c.generation
+      AND j.effect_identity = c.identity AND j.state = 'running' AND j.job_key IS NULL
+    RETURNING j.id, j.generation, j.effect_identity
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at)
     SELECT id, generation, 'completed', $4, clock_timestamp() FROM u WHERE $5
 )
-SELECT id, generation, true AS done FROM u
+SELECT id, generation, effect_identity::text AS identity, true AS done FROM u
 UNION ALL
-SELECT c.id, c.generation, false FROM c
+SELECT c.id, c.generation, c.identity::text, false FROM c
 WHERE NOT EXISTS (SELECT 1 FROM l WHERE l.id = c.id)
   AND EXISTS (SELECT 1 FROM {s}.jobs j
               WHERE j.id = c.id AND j.generation = c.generation AND j.owner = $4
-                AND j.state = 'running' AND j.job_key IS NULL)"#;
+                AND j.effect_identity = c.identity AND j.state = 'running'
+                AND j.job_key IS NULL)"#;
 
 pub(super) const COMPLETION_READBACK: &str = r#"/* leasehold:completion_readback */
-SELECT id, state, generation, owner, result FROM {s}.jobs WHERE id = ANY($1)"#;
+SELECT id, state, generation, owner, effect_identity::text AS identity, result
+FROM {s}.jobs WHERE id = ANY($1)"#;
+
+pub(super) const JOB_ROW_EXISTS: &str = r#"/* leasehold:job_row_exists */
+SELECT EXISTS (SELECT 1 FROM {s}.jobs WHERE id = $1 AND effect_identity = $2::uuid)"#;
 
 pub(super) const KEYS_OF: &str = r#"/* leasehold:keys_of */
 SELECT id, queue, job_key FROM {s}.jobs WHERE id = ANY($1) AND job_key IS NOT NULL"#;
 
-/// One completion of a batch.
-pub(crate) type Item = (JobId, Generation, Option<serde_json::Value>);
+/// One completion of a batch: the attempt and its result.
+pub(crate) type Item = (Attempt, Option<serde_json::Value>);
 
 /// What [`Store::complete_keyed`] wrote for one item: its outcome (`None` when its key
 /// was busy and nothing was written), and the key's successor if one was claimed, with
@@ -257,16 +269,16 @@ impl Store {
             .bind(fence.generation.0)
             .bind(result)
             .bind(self.full_history())
+            .bind(fence.identity.as_str())
             .fetch_optional(self.on(&mut tx))
             .await?;
         let Some(row) = row else {
             tx.rollback().await?;
+            let attempt = fence.attempt();
             let mut back = self
-                .completion_readback(conn, &fence.owner, &[(fence.job, fence.generation)])
+                .completion_readback(conn, &fence.owner, std::slice::from_ref(&attempt))
                 .await?;
-            return Ok(back
-                .remove(&(fence.job, fence.generation))
-                .unwrap_or(CompleteOutcome::Stale));
+            return Ok(back.remove(&attempt).unwrap_or(CompleteOutcome::Stale));
         };
         let key: Option<String> = row.try_get("job_key")?;
         if let Some(key) = key {
@@ -288,10 +300,10 @@ impl Store {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        for (_, _, result) in items {
+        for (_, result) in items {
             self.check_result(result)?;
         }
-        let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
+        let ids: Vec<i64> = items.iter().map(|i| i.0.job.0).collect();
         let keys: HashMap<i64, KeyRef> = sqlx::query(&self.sql().keys_of)
             .bind(&ids)
             .fetch_all(self.db())
@@ -305,14 +317,14 @@ impl Store {
             })
             .collect::<Result<_>>()?;
         let (keyed, unkeyed): (Vec<&Item>, Vec<&Item>) =
-            items.iter().partition(|i| keys.contains_key(&i.0 .0));
-        let mut outcomes: HashMap<(JobId, Generation), CompleteOutcome> = HashMap::new();
+            items.iter().partition(|i| keys.contains_key(&i.0.job.0));
+        let mut outcomes: HashMap<Attempt, CompleteOutcome> = HashMap::new();
         if !keyed.is_empty() {
             let batch: Vec<KeyedItem> = keyed
                 .iter()
                 .map(|i| KeyedItem {
                     item: (*i).clone(),
-                    key: keys[&i.0 .0].clone(),
+                    key: keys[&i.0.job.0].clone(),
                     chain: false,
                 })
                 .collect();
@@ -320,10 +332,7 @@ impl Store {
                 self.complete_keyed(owner, &batch, None, KeyedWait::SESSION)
                     .await?,
             ) {
-                outcomes.insert(
-                    (k.item.0, k.item.1),
-                    outcome.unwrap_or(CompleteOutcome::Stale),
-                );
+                outcomes.insert(k.item.0.clone(), outcome.unwrap_or(CompleteOutcome::Stale));
             }
         }
         if !unkeyed.is_empty() {
@@ -333,16 +342,12 @@ impl Store {
                 self.complete_unkeyed(owner, &batch, RowWait::Session)
                     .await?,
             ) {
-                outcomes.insert((i.0, i.1), outcome.unwrap_or(CompleteOutcome::Stale));
+                outcomes.insert(i.0.clone(), outcome.unwrap_or(CompleteOutcome::Stale));
             }
         }
         Ok(items
             .iter()
-            .map(|i| {
-                outcomes
-                    .remove(&(i.0, i.1))
-                    .unwrap_or(CompleteOutcome::Stale)
-            })
+            .map(|i| outcomes.remove(&i.0).unwrap_or(CompleteOutcome::Stale))
             .collect())
     }
 
@@ -385,10 +390,11 @@ impl Store {
         let mut conn = self.acquire().await?;
         let sent = Instant::now();
         let col = |f: fn(&KeyedItem) -> &str| batch.iter().map(f).collect::<Vec<&str>>();
-        let ids: Vec<i64> = batch.iter().map(|k| k.item.0 .0).collect();
-        let gens: Vec<i64> = batch.iter().map(|k| k.item.1 .0).collect();
+        let ids: Vec<i64> = batch.iter().map(|k| k.item.0.job.0).collect();
+        let gens: Vec<i64> = batch.iter().map(|k| k.item.0.generation.0).collect();
+        let identities: Vec<&str> = batch.iter().map(|k| k.item.0.identity.as_str()).collect();
         let results: Vec<Option<serde_json::Value>> =
-            batch.iter().map(|k| k.item.2.clone()).collect();
+            batch.iter().map(|k| k.item.1.clone()).collect();
         let chain_wanted: Vec<bool> = batch.iter().map(|k| k.chain && chain.is_some()).collect();
         let rows = sqlx::query(&self.sql().complete_keyed)
             .bind(&ids)
@@ -404,20 +410,20 @@ impl Store {
             .bind(self.full_history())
             .bind(self.schema().channel())
             .bind(wait.rows.millis())
+            .bind(&identities)
             .fetch_all(self.on(&mut conn))
             .await?;
-        let mut busy: HashSet<(i64, i64)> = HashSet::new();
-        let mut done: HashSet<(i64, i64)> = HashSet::new();
+        let mut busy: HashSet<Attempt> = HashSet::new();
+        let mut done: HashSet<Attempt> = HashSet::new();
         // Each successor belongs to the item that ended its key's head.
         let mut next: HashMap<KeyRef, (ClaimedJob, Instant)> = HashMap::new();
         for row in &rows {
-            let id: (i64, i64) = (row.try_get("id")?, row.try_get("generation")?);
             match row.try_get::<String, _>("row_kind")?.as_str() {
                 "busy" => {
-                    busy.insert(id);
+                    busy.insert(attempt_of(row)?);
                 }
                 "done" => {
-                    done.insert(id);
+                    done.insert(attempt_of(row)?);
                 }
                 _ => {
                     let (Some(chain), Some(key)) =
@@ -434,10 +440,10 @@ impl Store {
                 }
             }
         }
-        let missing: Vec<(JobId, Generation)> = batch
+        let missing: Vec<Attempt> = batch
             .iter()
-            .map(|k| (k.item.0, k.item.1))
-            .filter(|(i, g)| !busy.contains(&(i.0, g.0)) && !done.contains(&(i.0, g.0)))
+            .map(|k| k.item.0.clone())
+            .filter(|a| !busy.contains(a) && !done.contains(a))
             .collect();
         let mut back = if missing.is_empty() {
             HashMap::new()
@@ -447,15 +453,14 @@ impl Store {
         Ok(batch
             .iter()
             .map(|k| {
-                let id = (k.item.0, k.item.1);
-                let raw = (id.0 .0, id.1 .0);
-                if busy.contains(&raw) {
+                let attempt = &k.item.0;
+                if busy.contains(attempt) {
                     (None, None)
-                } else if done.contains(&raw) {
+                } else if done.contains(attempt) {
                     (Some(CompleteOutcome::Completed), next.remove(&k.key))
                 } else {
                     (
-                        Some(back.remove(&id).unwrap_or(CompleteOutcome::Stale)),
+                        Some(back.remove(attempt).unwrap_or(CompleteOutcome::Stale)),
                         None,
                     )
                 }
@@ -484,15 +489,21 @@ impl Store {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let rows: Vec<(i64, i64, bool)> = self
+        let rows: Vec<(i64, i64, String, bool)> = self
             .unless_history_refused("complete", || {
                 self.complete_unkeyed_once(owner, items, wait)
             })
             .await?;
-        let pair = |r: &(i64, i64, bool)| (r.0, r.1);
-        let done: HashSet<(i64, i64)> = rows.iter().filter(|r| r.2).map(pair).collect();
-        let busy: HashSet<(i64, i64)> = rows.iter().filter(|r| !r.2).map(pair).collect();
-        let raw = |i: &Item| (i.0 .0, i.1 .0);
+        let raw = |i: &Item| {
+            (
+                i.0.job.0,
+                i.0.generation.0,
+                i.0.identity.as_str().to_owned(),
+            )
+        };
+        let pair = |r: &(i64, i64, String, bool)| (r.0, r.1, r.2.clone());
+        let done: HashSet<(i64, i64, String)> = rows.iter().filter(|r| r.3).map(pair).collect();
+        let busy: HashSet<(i64, i64, String)> = rows.iter().filter(|r| !r.3).map(pair).collect();
         if done.len() == items.len() {
             return Ok(vec![Some(CompleteOutcome::Completed); items.len()]);
         }
@@ -520,17 +531,18 @@ impl Store {
             .collect())
     }
 
-    /// One try of [`Store::complete_unkeyed`]'s statement: (id, generation, done) rows,
-    /// `done` false for a row skipped because another session holds it.
+    /// One try of [`Store::complete_unkeyed`]'s statement: (id, generation, identity,
+    /// done) rows, `done` false for a row skipped because another session holds it.
     async fn complete_unkeyed_once(
         &self,
         owner: &OwnerId,
         items: &[Item],
         wait: RowWait,
-    ) -> Result<Vec<(i64, i64, bool)>> {
-        let ids: Vec<i64> = items.iter().map(|i| i.0 .0).collect();
-        let gens: Vec<i64> = items.iter().map(|i| i.1 .0).collect();
-        let results: Vec<Option<serde_json::Value>> = items.iter().map(|i| i.2.clone()).collect();
+    ) -> Result<Vec<(i64, i64, String, bool)>> {
+        let ids: Vec<i64> = items.iter().map(|i| i.0.job.0).collect();
+        let gens: Vec<i64> = items.iter().map(|i| i.0.generation.0).collect();
+        let identities: Vec<&str> = items.iter().map(|i| i.0.identity.as_str()).collect();
+        let results: Vec<Option<serde_json::Value>> = items.iter().map(|i| i.1.clone()).collect();
         let sql = match wait {
             RowWait::Skip => &self.sql().complete_unkeyed_skipping,
             RowWait::Session | RowWait::AtMost(_) => &self.sql().complete_unkeyed,
@@ -540,7 +552,8 @@ impl Store {
             .bind(gens)
             .bind(results)
             .bind(owner.as_str())
-            .bind(self.full_history());
+            .bind(self.full_history())
+            .bind(identities);
         let query = match wait {
             RowWait::Skip => query,
             RowWait::Session | RowWait::AtMost(_) => query.bind(wait.millis().filter(|ms| *ms > 0)),
@@ -555,7 +568,7 @@ impl Store {
         owner: &OwnerId,
         rest: &[Item],
     ) -> Result<Vec<CompleteOutcome>> {
-        let ids: Vec<i64> = rest.iter().map(|i| i.0 .0).collect();
+        let ids: Vec<i64> = rest.iter().map(|i| i.0.job.0).collect();
         let keyed: i64 = sqlx::query(&self.sql().keys_of)
             .bind(&ids)
             .fetch_all(self.db())
@@ -565,32 +578,43 @@ impl Store {
             return Box::pin(self.complete_many(owner, rest)).await;
         }
         let mut conn = self.acquire().await?;
-        let pairs: Vec<(JobId, Generation)> = rest.iter().map(|i| (i.0, i.1)).collect();
-        let mut back = self.completion_readback(&mut conn, owner, &pairs).await?;
-        Ok(pairs
+        let attempts: Vec<Attempt> = rest.iter().map(|i| i.0.clone()).collect();
+        let mut back = self
+            .completion_readback(&mut conn, owner, &attempts)
+            .await?;
+        Ok(attempts
             .iter()
-            .map(|p| back.remove(p).unwrap_or(CompleteOutcome::Stale))
+            .map(|a| back.remove(a).unwrap_or(CompleteOutcome::Stale))
             .collect())
     }
 
     /// Ask again after a lost reply: was this generation's completion committed?
     pub async fn completion_status(&self, fence: &Fence) -> Result<CompleteOutcome> {
         let mut conn = self.acquire().await?;
+        let attempt = fence.attempt();
         let mut back = self
-            .completion_readback(&mut conn, &fence.owner, &[(fence.job, fence.generation)])
+            .completion_readback(&mut conn, &fence.owner, std::slice::from_ref(&attempt))
             .await?;
-        Ok(back
-            .remove(&(fence.job, fence.generation))
-            .unwrap_or(CompleteOutcome::Stale))
+        Ok(back.remove(&attempt).unwrap_or(CompleteOutcome::Stale))
+    }
+
+    /// Whether the job of `fence` still has its row (the same id and identity), in any
+    /// state.
+    pub(crate) async fn attempt_row_exists(&self, fence: &Fence) -> Result<bool> {
+        Ok(sqlx::query_scalar(&self.sql().job_row_exists)
+            .bind(fence.job.0)
+            .bind(fence.identity.as_str())
+            .fetch_one(self.db())
+            .await?)
     }
 
     async fn completion_readback(
         &self,
         conn: &mut PgConnection,
         owner: &OwnerId,
-        items: &[(JobId, Generation)],
-    ) -> Result<HashMap<(JobId, Generation), CompleteOutcome>> {
-        let ids: Vec<i64> = items.iter().map(|(id, _)| id.0).collect();
+        items: &[Attempt],
+    ) -> Result<HashMap<Attempt, CompleteOutcome>> {
+        let ids: Vec<i64> = items.iter().map(|a| a.job.0).collect();
         let rows = sqlx::query(&self.sql().completion_readback)
             .bind(&ids)
             .fetch_all(self.on(&mut *conn))
@@ -601,18 +625,33 @@ impl Store {
             let state: String = row.try_get("state")?;
             let generation = Generation(row.try_get("generation")?);
             let row_owner: Option<String> = row.try_get("owner")?;
+            let identity: String = row.try_get("identity")?;
             let ours = state == "done" && row_owner.as_deref() == Some(owner.as_str());
-            for wanted in items.iter().filter(|(i, _)| *i == id) {
-                let outcome = if ours && wanted.1 == generation {
+            for wanted in items.iter().filter(|a| a.job == id) {
+                let same = wanted.generation == generation && wanted.identity.as_str() == identity;
+                let outcome = if ours && same {
                     CompleteOutcome::AlreadyCompleted {
                         result: row.try_get("result").unwrap_or(None),
                     }
                 } else {
                     CompleteOutcome::Stale
                 };
-                out.insert(*wanted, outcome);
+                out.insert(wanted.clone(), outcome);
             }
         }
         Ok(out)
     }
+}
+
+/// The attempt a `complete_keyed` row names (its id, generation and identity).
+fn attempt_of(row: &sqlx::postgres::PgRow) -> Result<Attempt> {
+    let identity: String = row.try_get("effect_identity")?;
+    Ok(Attempt {
+        job: JobId(row.try_get("id")?),
+        generation: Generation(row.try_get("generation")?),
+        identity: EffectIdentity::parse(&identity).ok_or_else(|| crate::Error::Decode {
+            what: "effect identity",
+            reason: format!("{identity:?} is not a UUID"),
+        })?,
+    })
 }

@@ -18,12 +18,13 @@ use sqlx::Row;
 
 use super::{check_effect_key, check_json, check_name, secs, JsonLimit, Store};
 use crate::error::{Error, Result};
-use crate::job::{EffectIdentity, Fence, Generation, JobId};
+use crate::job::{Fence, Generation, JobId};
 
 pub(super) const RECORD: &str = r#"/* leasehold:effect_record */
 WITH fence AS (
     SELECT id FROM {s}.jobs
-    WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
+    WHERE id = $1 AND owner = $2 AND generation = $3 AND effect_identity = $8::uuid
+      AND state = 'running'
     FOR SHARE
 ), ins AS (
     INSERT INTO {s}.effects (effect_key, job_id, generation, fingerprint, outcome, keep_until)
@@ -143,24 +144,18 @@ impl Store {
         row.as_ref().map(|r| effect_from_row(r, false)).transpose()
     }
 
-    /// [`Store::effect`] for the key `effect_key` of the attempt `fence` of the job
-    /// whose effect identity is `identity`, read together with whether that attempt
-    /// still runs the job. A recorded outcome is returned to any attempt (it acts no
+    /// [`Store::effect`] for the key `effect_key` of the attempt `fence`, read together
+    /// with whether that attempt still runs the job. A recorded outcome is returned to any attempt (it acts no
     /// more for it); without one, an attempt that no longer runs the job
     /// ([`Lookup::Lost`]) must not act: a newer attempt may act under the same key
     /// meanwhile, or the job it ran is gone (its schema dropped and created again under
     /// a running process).
-    pub(crate) async fn effect_under(
-        &self,
-        effect_key: &str,
-        fence: &Fence,
-        identity: &EffectIdentity,
-    ) -> Result<Lookup> {
+    pub(crate) async fn effect_under(&self, effect_key: &str, fence: &Fence) -> Result<Lookup> {
         check_name("effect key", effect_key)?;
         let row = sqlx::query(&self.sql().effect_lookup_under)
             .bind(effect_key)
             .bind(fence.job.0)
-            .bind(identity.as_str())
+            .bind(fence.identity.as_str())
             .bind(fence.owner.as_str())
             .bind(fence.generation.0)
             .fetch_one(self.db())
@@ -243,6 +238,7 @@ impl Store {
             .bind(fingerprint)
             .bind(outcome)
             .bind(secs(keep))
+            .bind(fence.identity.as_str())
             .fetch_one(self.db())
             .await?;
         let fenced: i64 = row.try_get("fenced")?;

@@ -14,7 +14,7 @@ use sqlx::Row;
 use super::keys::KeyRef;
 use super::{sanitize_error_text, secs, Backoff, Store};
 use crate::error::Result;
-use crate::job::{FailOutcome, Fence, Generation, JobId, OwnerId};
+use crate::job::{Attempt, FailOutcome, Fence, JobId, OwnerId};
 
 /// The key row is locked only when this failure may end the key's head (cancelled, or
 /// dead under the Continue policy); a plain retry does not wait on it.
@@ -42,8 +42,8 @@ WITH t AS MATERIALIZED (
             THEN (SELECT now FROM t) END,
         lease_until = NULL,
         last_error = $4
-    WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
-      AND (SELECT count(*) FROM kl) >= 0
+    WHERE id = $1 AND owner = $2 AND generation = $3 AND effect_identity = $11::uuid
+      AND state = 'running' AND (SELECT count(*) FROM kl) >= 0
     RETURNING id, generation, state, available_at, queue, job_key, dead_blocks_key
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
@@ -63,8 +63,8 @@ WITH u AS (
     UPDATE {s}.jobs
     SET state = 'pending', available_at = clock_timestamp() + make_interval(secs => $4),
         attempts = greatest(attempts - 1, 0), snoozes = snoozes + 1, lease_until = NULL
-    WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'
-      AND cancel_requested_at IS NULL AND snoozes < $5
+    WHERE id = $1 AND owner = $2 AND generation = $3 AND effect_identity = $8::uuid
+      AND state = 'running' AND cancel_requested_at IS NULL AND snoozes < $5
     RETURNING id, generation, available_at, snoozes
 ), ev AS (
     INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
@@ -78,7 +78,7 @@ SELECT available_at FROM u"#;
 /// key row is busy is left as it is, and its expiry cancels it).
 pub(super) const RELEASE: &str = r#"/* leasehold:release */
 WITH c AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[]) AS t(id, generation)
+    SELECT * FROM unnest($1::int8[], $2::int8[], $7::uuid[]) AS t(id, generation, identity)
 ), kl AS MATERIALIZED (
     SELECT jk.queue, jk.job_key FROM {s}.job_keys jk
     JOIN (SELECT DISTINCT j0.queue, j0.job_key FROM {s}.jobs j0 JOIN c ON j0.id = c.id
@@ -93,7 +93,8 @@ WITH c AS (
         attempts = greatest(j.attempts - 1, 0), available_at = clock_timestamp(),
         lease_until = NULL, last_error = $4
     FROM c
-    WHERE j.id = c.id AND j.generation = c.generation AND j.owner = $3 AND j.state = 'running'
+    WHERE j.id = c.id AND j.generation = c.generation AND j.owner = $3
+      AND j.effect_identity = c.identity AND j.state = 'running'
       AND (SELECT count(*) FROM kl) >= 0
       AND (j.cancel_requested_at IS NULL OR j.job_key IS NULL
            OR EXISTS (SELECT 1 FROM kl WHERE kl.queue = j.queue AND kl.job_key = j.job_key))
@@ -156,6 +157,7 @@ impl Store {
             .bind(backoff.jitter)
             .bind(failure.retry_after.map(|d| secs(d.min(super::MAX_DELAY))))
             .bind(self.history_on())
+            .bind(fence.identity.as_str())
             .fetch_optional(self.on(&mut tx))
             .await?;
         let Some(row) = row else {
@@ -208,6 +210,7 @@ impl Store {
                 .bind(i32::try_from(max_snoozes).unwrap_or(i32::MAX))
                 .bind(&detail)
                 .bind(self.history_on())
+                .bind(fence.identity.as_str())
                 .fetch_optional(self.db())
                 .await?)
         })
@@ -221,7 +224,7 @@ impl Store {
     pub async fn release_many(
         &self,
         owner: &OwnerId,
-        jobs: &[(JobId, Generation)],
+        jobs: &[Attempt],
         reason: &str,
     ) -> Result<Vec<JobId>> {
         if jobs.is_empty() {
@@ -234,11 +237,12 @@ impl Store {
     async fn release_once(
         &self,
         owner: &OwnerId,
-        jobs: &[(JobId, Generation)],
+        jobs: &[Attempt],
         reason: &str,
     ) -> Result<Vec<JobId>> {
-        let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
-        let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
+        let ids: Vec<i64> = jobs.iter().map(|j| j.job.0).collect();
+        let gens: Vec<i64> = jobs.iter().map(|j| j.generation.0).collect();
+        let identities: Vec<&str> = jobs.iter().map(|j| j.identity.as_str()).collect();
         let mut conn = self.acquire().await?;
         let mut tx = self.begin(&mut conn).await?;
         let rows = sqlx::query(&self.sql().release)
@@ -248,6 +252,7 @@ impl Store {
             .bind(sanitize_error_text(reason))
             .bind(self.schema().channel())
             .bind(self.history_on())
+            .bind(&identities)
             .fetch_all(self.on(&mut tx))
             .await?;
         let mut released = Vec::with_capacity(rows.len());

@@ -24,15 +24,17 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 
 use super::{secs, Store};
-use crate::error::Result;
-use crate::job::{Generation, JobId, OwnerId};
+use crate::error::{Error, Result};
+use crate::job::{Attempt, EffectIdentity, Generation, JobId, OwnerId};
 
 pub(super) const RENEW: &str = r#"/* leasehold:renew */
 WITH t AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[], $5::bool[]) AS t(id, generation, started)
+    SELECT * FROM unnest($1::int8[], $2::int8[], $5::bool[], $6::uuid[])
+      AS t(id, generation, started, identity)
 ), mine AS MATERIALIZED (
     SELECT j.id, t.started
-    FROM {s}.jobs j JOIN t ON j.id = t.id AND j.generation = t.generation
+    FROM {s}.jobs j
+    JOIN t ON j.id = t.id AND j.generation = t.generation AND j.effect_identity = t.identity
     WHERE j.owner = $3 AND j.state = 'running'
     FOR UPDATE OF j SKIP LOCKED
 ), u AS (
@@ -43,25 +45,25 @@ WITH t AS (
     FROM mine WHERE j.id = mine.id
     RETURNING j.id, j.lease_until, j.cancel_requested_at IS NOT NULL AS cancel_requested
 )
-SELECT t.id, u.lease_until, coalesce(u.cancel_requested, false) AS cancel_requested,
+SELECT t.id, t.generation, t.identity::text AS identity, u.lease_until, coalesce(u.cancel_requested, false) AS cancel_requested,
        u.id IS NULL AND EXISTS (
            SELECT 1 FROM {s}.jobs j
            WHERE j.id = t.id AND j.generation = t.generation AND j.owner = $3
-             AND j.state = 'running') AS busy
+             AND j.effect_identity = t.identity AND j.state = 'running') AS busy
 FROM t LEFT JOIN u ON u.id = t.id"#;
 
 /// What a batched renewal found.
 #[derive(Clone, Debug, Default)]
 pub struct RenewReport {
     /// Leases extended, with their new deadline (database clock).
-    pub renewed: Vec<(JobId, DateTime<Utc>)>,
+    pub renewed: Vec<(Attempt, DateTime<Utc>)>,
     /// Still this owner's, but locked by another transaction right now, so not extended
     /// this time (never waited for).
-    pub busy: Vec<JobId>,
+    pub busy: Vec<Attempt>,
     /// Leases this owner no longer holds: the handlers must be told to stop.
-    pub lost: Vec<JobId>,
+    pub lost: Vec<Attempt>,
     /// Renewed jobs an operator asked to cancel: their handlers must be told.
-    pub cancel_requested: Vec<JobId>,
+    pub cancel_requested: Vec<Attempt>,
     /// When the statement was sent, once a connection was at hand, on this process's
     /// monotonic clock: every renewed lease runs at least `lease` from this moment.
     pub sent_at: Option<std::time::Instant>,
@@ -76,10 +78,10 @@ impl Store {
     pub async fn renew(
         &self,
         owner: &OwnerId,
-        jobs: &[(JobId, Generation)],
+        jobs: &[Attempt],
         lease: Duration,
     ) -> Result<RenewReport> {
-        let jobs: Vec<_> = jobs.iter().map(|&(j, g)| (j, g, true)).collect();
+        let jobs: Vec<_> = jobs.iter().map(|a| (a.clone(), true)).collect();
         self.renew_recording(owner, &jobs, lease).await
     }
 
@@ -89,15 +91,16 @@ impl Store {
     pub async fn renew_recording(
         &self,
         owner: &OwnerId,
-        jobs: &[(JobId, Generation, bool)],
+        jobs: &[(Attempt, bool)],
         lease: Duration,
     ) -> Result<RenewReport> {
         if jobs.is_empty() {
             return Ok(RenewReport::default());
         }
-        let ids: Vec<i64> = jobs.iter().map(|j| j.0 .0).collect();
-        let gens: Vec<i64> = jobs.iter().map(|j| j.1 .0).collect();
-        let started: Vec<bool> = jobs.iter().map(|j| j.2).collect();
+        let ids: Vec<i64> = jobs.iter().map(|j| j.0.job.0).collect();
+        let gens: Vec<i64> = jobs.iter().map(|j| j.0.generation.0).collect();
+        let identities: Vec<&str> = jobs.iter().map(|j| j.0.identity.as_str()).collect();
+        let started: Vec<bool> = jobs.iter().map(|j| j.1).collect();
         let mut conn = self.acquire().await?;
         let sent = std::time::Instant::now();
         let rows = sqlx::query(&self.sql().renew)
@@ -106,6 +109,7 @@ impl Store {
             .bind(owner.as_str())
             .bind(secs(lease))
             .bind(&started)
+            .bind(&identities)
             .fetch_all(self.on(&mut conn))
             .await?;
         let mut report = RenewReport {
@@ -113,13 +117,21 @@ impl Store {
             ..Default::default()
         };
         for row in rows {
-            let id = JobId(row.try_get("id")?);
+            let identity: String = row.try_get("identity")?;
+            let id = Attempt {
+                job: JobId(row.try_get("id")?),
+                generation: Generation(row.try_get("generation")?),
+                identity: EffectIdentity::parse(&identity).ok_or_else(|| Error::Decode {
+                    what: "effect identity",
+                    reason: format!("{identity:?} is not a UUID"),
+                })?,
+            };
             match row.try_get::<Option<DateTime<Utc>>, _>("lease_until")? {
                 Some(until) => {
-                    report.renewed.push((id, until));
                     if row.try_get("cancel_requested")? {
-                        report.cancel_requested.push(id);
+                        report.cancel_requested.push(id.clone());
                     }
+                    report.renewed.push((id, until));
                 }
                 None if row.try_get("busy")? => report.busy.push(id),
                 None => report.lost.push(id),

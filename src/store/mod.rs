@@ -2,7 +2,7 @@
 //!
 //! Each function is one statement or one short transaction. Every write about a
 //! claimed job is conditional on its [`Fence`](crate::Fence) `(id, owner, generation,
-//! state='running')`, and says what happened with an outcome enum. Functions that a
+//! effect identity, state='running')`, and says what happened with an outcome enum. Functions that a
 //! caller may want inside its own transaction take `&mut PgConnection` (a
 //! `Transaction` derefs to one) and end in `_in`.
 //!
@@ -400,6 +400,7 @@ pub(crate) struct Statements {
     pub renew: String,
     pub complete: String,
     pub complete_keyed: String,
+    pub job_row_exists: String,
     pub complete_unkeyed: String,
     pub complete_unkeyed_skipping: String,
     pub completion_readback: String,
@@ -432,6 +433,7 @@ impl Statements {
             renew: s.render(lease::RENEW),
             complete: s.render(complete::COMPLETE),
             complete_keyed: s.render(complete::COMPLETE_KEYED),
+            job_row_exists: s.render(complete::JOB_ROW_EXISTS),
             complete_unkeyed: s.render(complete::COMPLETE_UNKEYED),
             complete_unkeyed_skipping: s.render(complete::COMPLETE_UNKEYED_SKIPPING),
             completion_readback: s.render(complete::COMPLETION_READBACK),

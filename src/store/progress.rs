@@ -13,7 +13,8 @@ pub const MAX_PROGRESS_BYTES: usize = 16 * 1024;
 
 const RECORD: &str = r#"/* leasehold:record_progress */
 UPDATE {s}.jobs SET progress = $4
-WHERE id = $1 AND owner = $2 AND generation = $3 AND state = 'running'"#;
+WHERE id = $1 AND owner = $2 AND generation = $3 AND effect_identity = $5::uuid
+  AND state = 'running'"#;
 
 impl Store {
     /// Record `progress` on a running job, if `fence` still holds it
@@ -41,6 +42,7 @@ impl Store {
             .bind(fence.owner.as_str())
             .bind(fence.generation.0)
             .bind(progress)
+            .bind(fence.identity.as_str())
             .execute(self.db())
             .await?;
         Ok(if done.rows_affected() == 1 {
