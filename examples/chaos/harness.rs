@@ -207,6 +207,8 @@ async fn run(
     .map_err(|e| e.to_string())?;
     store.migrate().await.map_err(|e| e.to_string())?;
     dbsetup::install_audit(&admin).await?;
+    // The periodic episodes' daylight-saving instants a third into the fault phase.
+    crate::periodic::setup(&admin, Duration::from_secs(3) + profile.fault_phase / 3).await?;
     info.cluster_ready_us = now_us();
     info.max_result_bytes = crate::worker::MAX_RESULT_BYTES;
     let clock = Arc::new(Mutex::new(crate::model::ClockInfo::default()));
@@ -352,6 +354,7 @@ async fn run(
     let _ = clock_task.await;
     info.clock = clock.lock().unwrap().clone();
     crate::drain::dump(&h.admin, &out).await?;
+    crate::periodic::dump(&h.admin, &out).await?;
     h.host.close().await;
     info.effect_server = h.effects.stats();
     info.refused = h.seen.lock().unwrap().refused.clone();

@@ -9,8 +9,14 @@
 //! - `txhold`: completes inside its own transaction (`ctx.complete_in`) and keeps that
 //!   transaction open for `hold_ms` on its first attempt, holding its job row (and, if
 //!   keyed, its key row) locked, as a host's slow business transaction would.
-//! - `poison`: returns a result PostgreSQL cannot store (a NUL in a string) or one over
-//!   the result size cap; the job must die with a reason naming the result.
+//!   With `err_after_commit`, the handler returns an error after that commit: the job is
+//!   done, and the attempt must not be counted (or logged) as stale.
+//! - `poison`: a value the database cannot store or read back (a NUL in a string, over
+//!   the result size cap, nested deeper than 128), on one of three write paths: the
+//!   returned result, a result completed in the handler's own transaction
+//!   (`complete_in`), or the outcome of an effect through `ctx.once` (after the effect
+//!   happened). The job must die with a reason naming the result (or the outcome), and
+//!   the effect must not be applied again.
 
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
@@ -48,9 +54,13 @@ pub struct Work {
     /// `txhold`: how long the first attempt keeps its completing transaction open.
     #[serde(default)]
     pub hold_ms: u64,
-    /// `poison`: `nul` (a NUL in the result) or `big` (a result over the cap).
+    /// `poison`: what (`nul`, `big`, `deep`), prefixed by the path: none (the returned
+    /// result), `tx_` (through `complete_in`) or `effect_` (an effect's outcome).
     #[serde(default)]
     pub poison: Option<String>,
+    /// `txhold`: return an error after the completing transaction committed.
+    #[serde(default)]
+    pub err_after_commit: bool,
 }
 
 /// The strictly typed payload of kind `strict`; the workload also sends ones that do
@@ -70,6 +80,28 @@ struct EffectRequest<'a> {
 #[derive(Serialize, Deserialize)]
 struct Receipt {
     receipt: u64,
+    /// A poisoned outcome's payload (`poison` kind, `effect_` path); null otherwise.
+    #[serde(default)]
+    note: serde_json::Value,
+}
+
+/// Nesting of a `deep` poison: past the 128 levels the library stores and reads back.
+const POISON_DEPTH: usize = 200;
+
+/// A value the database cannot store (`nul`), over the result cap (`big`), or nested
+/// too deep to read back (`deep`).
+fn poisoned(what: &str, max_result_bytes: usize) -> serde_json::Value {
+    match what {
+        "nul" => serde_json::json!("before\u{0}after"),
+        "deep" => {
+            let mut v = serde_json::json!(1);
+            for _ in 0..POISON_DEPTH {
+                v = serde_json::json!([v]);
+            }
+            v
+        }
+        _ => serde_json::json!("r".repeat(max_result_bytes + 4096)),
+    }
 }
 
 /// What every handler of one worker process shares.
@@ -90,13 +122,19 @@ impl Shared {
     }
 
     /// Apply effect `step` at most once per effect key; true if the ledger answered.
+    /// With `poison`, the effect's outcome carries a poisoned value (see [`poisoned`]).
     async fn effect(
         &self,
         ctx: &JobContext,
         at: &Attempt,
         cid: u64,
         step: &str,
+        poison: Option<&str>,
     ) -> Result<bool, JobError> {
+        let note = poison
+            .map(|p| poisoned(p, self.max_result_bytes))
+            .unwrap_or(serde_json::Value::Null);
+        let note = &note;
         let called = AtomicBool::new(false);
         let fingerprint = leasehold::context::fingerprint(&EffectRequest { cid, step })?;
         let req = EffectRequest { cid, step };
@@ -122,7 +160,10 @@ impl Shared {
                 .await
                 .map_err(|e| JobError::retry(format!("effect server: {e}")))?;
                 match r.decision.as_str() {
-                    "applied" | "already" => Ok(Receipt { receipt: r.receipt }),
+                    "applied" | "already" => Ok(Receipt {
+                        receipt: r.receipt,
+                        note: note.clone(),
+                    }),
                     "fenced" => Err(JobError::retry(
                         "effect refused: a newer generation was seen",
                     )),
@@ -139,7 +180,7 @@ impl Shared {
         let outcome = async {
             if !w.effects_last {
                 for s in 0..w.steps {
-                    hits += self.effect(&ctx, &at, w.cid, &format!("s{s}")).await? as u32;
+                    hits += self.effect(&ctx, &at, w.cid, &format!("s{s}"), None).await? as u32;
                 }
             }
             if w.sleep_ms > 0 && w.ignore_cancel {
@@ -154,7 +195,7 @@ impl Shared {
             }
             if w.effects_last {
                 for s in 0..w.steps {
-                    hits += self.effect(&ctx, &at, w.cid, &format!("s{s}")).await? as u32;
+                    hits += self.effect(&ctx, &at, w.cid, &format!("s{s}"), None).await? as u32;
                 }
             }
             if ctx.attempt() <= w.fail_first {
@@ -204,6 +245,10 @@ impl Shared {
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(hold)) => {
                 match tx.commit().await {
+                    Ok(()) if w.err_after_commit => {
+                        at.finish("ok", 0, "error after a committed complete_in".into());
+                        Err(JobError::retry("chaos: an error after a committed complete_in"))
+                    }
                     Ok(()) => {
                         at.finish("ok", 0, String::new());
                         Ok(result)
@@ -220,20 +265,58 @@ impl Shared {
         }
     }
 
-    /// `poison`: a result that cannot be stored (NUL) or is over the cap.
-    fn poison(&self, ctx: JobContext, w: Work) -> Result<serde_json::Value, JobError> {
+    /// `poison`: a value that cannot be stored or read back, on one write path (see the
+    /// module docs).
+    async fn poison(&self, ctx: JobContext, w: Work) -> Result<serde_json::Value, JobError> {
         let at = self.history.start(&ctx, format!("poison={:?}", w.poison));
+        let spec = w.poison.clone().unwrap_or_default();
+        let (path, what) = match spec.split_once('_') {
+            Some((path, what)) => (path, what),
+            None => ("return", spec.as_str()),
+        };
         let mut result = self.result(&ctx);
-        match w.poison.as_deref() {
-            Some("nul") => result["text"] = serde_json::json!("before\u{0}after"),
-            _ => result["blob"] = serde_json::json!("r".repeat(self.max_result_bytes + 4096)),
+        match path {
+            "effect" => {
+                let got = self.effect(&ctx, &at, w.cid, "s0", Some(what)).await;
+                let hits = got.as_ref().map(|h| *h as u32).unwrap_or(0);
+                match &got {
+                    Ok(_) => at.finish("ok", hits, "a poisoned outcome was accepted".into()),
+                    Err(e) => at.finish("err", hits, e.message().chars().take(200).collect()),
+                }
+                got.map(|_| result)
+            }
+            "tx" => {
+                result["poison"] = poisoned(what, self.max_result_bytes);
+                let mut tx = match self.pool.begin().await {
+                    Ok(tx) => tx,
+                    Err(e) => {
+                        at.finish("err", 0, e.to_string());
+                        return Err(JobError::retry(format!("poison: {e}")));
+                    }
+                };
+                let done = ctx.complete_in(&mut tx, Some(result.clone())).await;
+                let _ = tx.rollback().await;
+                match done {
+                    Ok(outcome) => {
+                        at.finish(
+                            "ok",
+                            0,
+                            format!("complete_in took a poisoned result: {outcome:?}"),
+                        );
+                        Ok(result)
+                    }
+                    Err(e) => {
+                        at.finish("err", 0, e.message().chars().take(200).collect());
+                        Err(e)
+                    }
+                }
+            }
+            _ => {
+                result["poison"] = poisoned(what, self.max_result_bytes);
+                at.finish("ok", 0, format!("returned a poisoned result ({spec})"));
+                Ok(result)
+            }
         }
-        at.finish(
-            "ok",
-            0,
-            format!("returned a poisoned result ({:?})", w.poison),
-        );
-        Ok(result)
     }
 }
 
@@ -260,7 +343,7 @@ kind!(Charge, "charge", Work, |s, ctx, p| s.work(ctx, p).await);
 kind!(Flaky, "flaky", Work, |s, ctx, p| s.work(ctx, p).await);
 kind!(Slow, "slow", Work, |s, ctx, p| s.work(ctx, p).await);
 kind!(TxHold, "txhold", Work, |s, ctx, p| s.txhold(ctx, p).await);
-kind!(Poison, "poison", Work, |s, ctx, p| s.poison(ctx, p));
+kind!(Poison, "poison", Work, |s, ctx, p| s.poison(ctx, p).await);
 kind!(Panicky, "panicky", Work, |s, ctx, p| {
     let at = s.history.start(&ctx, String::new());
     if ctx.attempt() <= p.fail_first {

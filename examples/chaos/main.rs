@@ -18,6 +18,7 @@
 //! every log under `target/chaos/<seed>/`, and runs the checker on them.
 //!
 //! Layout: `harness` (orchestration), `drain` (drain, artifacts), `nemesis` (faults), `workload`,
+//! `periodic` (schedules under the faults, on shifted database clocks),
 //! `worker`, `effects` (effect server), `proxy`, `cluster` (with `pgbin`, the server binaries), `procs` (child processes,
 //! watchdog), `model` (artifact formats), `check` (the checker), `profile`.
 
@@ -35,6 +36,7 @@ mod nemesis_host;
 mod nemesis_operator;
 mod nemesis_plan;
 mod operator;
+mod periodic;
 mod pgbin;
 mod procs;
 mod profile;

@@ -14,13 +14,15 @@
 //!   moves on its next job starts at once, not behind the backlog.
 //! - `dead_head`: a keyed head that fails permanently, with successors behind it: the
 //!   key stays blocked by a dead job, which retention must keep.
-//! - `poison`: a result with a NUL (PostgreSQL cannot store it) or over the result cap,
-//!   enqueued in one batch with quick neighbours that must not suffer for it.
+//! - `poison`: a value with a NUL (PostgreSQL cannot store it), over the result cap or
+//!   nested too deep to read back, as the returned result, as a result completed in the
+//!   handler's own transaction, or as an effect's outcome; enqueued in one batch with
+//!   quick neighbours that must not suffer for it.
 //! - `deep`: a payload nested deeper than 128 levels, written with raw SQL (the enqueue
 //!   API refuses it once hardened), with neighbours in the same statement so one claim
 //!   takes them together.
 //! - `txhold`: a handler that completes in its own transaction and holds it open past
-//!   the lease on its first attempt.
+//!   the lease on its first attempt; half of them return an error after the commit.
 //!
 //! Client ids come from the harness's own counter (above the random mix's range).
 
@@ -129,9 +131,15 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
         }
         "poison" => {
             let mut w = work(cid(h));
-            w.poison = Some(if rng.gen_bool(0.5) { "nul" } else { "big" }.into());
+            let path = ["", "tx_", "effect_"][rng.gen_range(0..3)];
+            let what = ["nul", "big", "deep"][rng.gen_range(0..3)];
+            w.poison = Some(format!("{path}{what}"));
             let mut p = spec("poison", w, "poison");
-            p.expect = "poison_result";
+            p.expect = if path == "effect_" {
+                "poison_outcome"
+            } else {
+                "poison_result"
+            };
             // Few attempts: a library that cannot contain the poison retries it.
             p.max_attempts = 3;
             let mut out = vec![p];
@@ -147,6 +155,7 @@ fn build(h: &Harness, scenario: &str, rng: &mut StdRng) -> Vec<Spec> {
             // Past the lease, well within the max run time (whose abort could land
             // between the commit and the handler's last line).
             w.hold_ms = (lease * rng.gen_range(1.3..1.8)) as u64;
+            w.err_after_commit = rng.gen_bool(0.5);
             let mut t = spec("txhold", w, "txhold");
             let mut out = Vec::new();
             if rng.gen_bool(0.5) {

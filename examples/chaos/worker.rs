@@ -1,6 +1,7 @@
 //! Worker mode (`chaos worker ...`): one real leasehold `Scheduler` in its own process,
 //! connected to PostgreSQL through its fault proxy, running the chaos job kinds
-//! ([`crate::kinds`]) and writing the history of real execution ([`crate::attempt`]).
+//! ([`crate::kinds`]) and writing the history of real execution ([`crate::attempt`]),
+//! and beside it one small scheduler per periodic episode ([`crate::periodic`]).
 //!
 //! The worker's database role has no server-side timeouts of its own
 //! (`statement_timeout`, `idle_in_transaction_session_timeout`): a host gives the
@@ -200,6 +201,13 @@ async fn run(o: Options) -> i32 {
         }
     };
     history.mark("up", Some(scheduler.owner().to_string()), String::new());
+    let periodic = match crate::periodic::start(o.id, o.db_port, deadline).await {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("w{}: could not start the periodic schedulers: {e}", o.id);
+            return 2;
+        }
+    };
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("SIGTERM handler");
     let mut tick = tokio::time::interval(Duration::from_millis(500));
@@ -213,6 +221,10 @@ async fn run(o: Options) -> i32 {
     write_metrics(&metrics_path, &scheduler);
     // Releases during the shutdown are counted from the database (`released` events).
     let detail = format!("{:?}", scheduler.shutdown().await);
+    for (s, p) in periodic {
+        let _ = s.shutdown().await;
+        p.close().await;
+    }
     history.mark("down", None, detail);
     pool.close().await;
     0

@@ -10,7 +10,9 @@
 //! - [`attempt_context`]: the [`JobContext`] the scheduler would hand the handler of
 //!   a claimed job.
 //! - [`fencing_token`]: a token for an effect store that fences per account.
+//! - [`clock`]: a database clock a test shifts (daylight-saving nights, skew).
 
+pub mod clock;
 pub mod gateway;
 
 use crate::config::DEFAULT_EFFECT_KEEP;

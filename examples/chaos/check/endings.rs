@@ -72,3 +72,29 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         );
     }
 }
+
+/// No attempt is counted stale whose own completion committed: the worker's log says
+/// its ending was refused because it no longer owned the job, yet the database recorded
+/// that generation's completion (a handler that completed in its own transaction and
+/// then returned an error, a completion whose reply was lost). Such a count fires the
+/// stale-completion alert for a healthy worker.
+pub fn false_stale(c: &Input, f: &mut Findings, s: &mut Stats) {
+    let completed: HashSet<(i64, i64)> = c
+        .events
+        .iter()
+        .filter(|e| e.event == "completed")
+        .map(|e| (e.job_id, e.generation))
+        .collect();
+    for r in &c.stale_reports {
+        s.stale_reports += 1;
+        if completed.contains(&(r.job, r.generation)) {
+            f.add(
+                "false_stale",
+                format!(
+                    "job {} gen {}: {} counted stale in {}, yet that generation's completion committed",
+                    r.job, r.generation, r.what, r.log
+                ),
+            );
+        }
+    }
+}

@@ -107,6 +107,10 @@ pub struct Input {
     pub leases: Vec<LeaseWrite>,
     pub operator: Vec<OperatorRecord>,
     pub history: Vec<HistoryLine>,
+    /// Attempts a worker refused as stale (its log's "no longer owns the job" lines).
+    pub stale_reports: Vec<StaleReport>,
+    /// The periodic episodes' fires (`db/periodic.jsonl`; empty in older artifacts).
+    pub periodic: super::periodic::Periodic,
     /// Worker counters summed over every incarnation's last snapshot.
     pub metrics: BTreeMap<String, u64>,
     /// Each keyed job's epoch within its key (see [`key_epochs`]); absent when its key's
@@ -139,7 +143,50 @@ pub struct Parts {
     pub keys: Vec<KeyRow>,
     pub operator: Vec<OperatorRecord>,
     pub history: Vec<HistoryLine>,
+    pub stale_reports: Vec<StaleReport>,
+    pub periodic: super::periodic::Periodic,
     pub metrics: BTreeMap<String, u64>,
+}
+
+/// One attempt a worker counted as stale: its ending was refused because the worker
+/// no longer owned the job (`stale_completions`), as its log says.
+#[derive(Clone, Debug)]
+pub struct StaleReport {
+    /// The log it came from (`w<id>.<inc>.log`).
+    pub log: String,
+    pub job: i64,
+    pub generation: i64,
+    /// The ending refused: `completion`, `failure`, `abandoned attempt`.
+    pub what: String,
+}
+
+/// The stale reports in a worker's log: lines
+/// `… leasehold <what> refused: this worker no longer owns the job job=<id> generation=<g>`.
+pub fn stale_reports(log: &str, text: &str) -> Vec<StaleReport> {
+    const SAID: &str = " refused: this worker no longer owns the job";
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let Some(at) = line.find(SAID) else { continue };
+        let what = line[..at]
+            .rsplit_once("leasehold ")
+            .map(|(_, w)| w.to_string())
+            .unwrap_or_default();
+        let field = |name: &str| {
+            line[at + SAID.len()..]
+                .split_whitespace()
+                .find_map(|t| t.strip_prefix(name))
+                .and_then(|v| v.parse::<i64>().ok())
+        };
+        if let (Some(job), Some(generation)) = (field("job="), field("generation=")) {
+            out.push(StaleReport {
+                log: log.to_string(),
+                job,
+                generation,
+                what,
+            });
+        }
+    }
+    out
 }
 
 /// Tell apart the epochs of each key.
@@ -233,6 +280,7 @@ impl Input {
         let run: RunInfo =
             read_json(&dir.join("run.json")).map_err(|e| format!("run.json: {e}"))?;
         let mut history = Vec::new();
+        let mut stale = Vec::new();
         let mut metrics: BTreeMap<String, u64> = BTreeMap::new();
         let wdir = dir.join("workers");
         let mut entries: Vec<_> = std::fs::read_dir(&wdir)
@@ -248,6 +296,9 @@ impl Input {
                 for (k, v) in m {
                     *metrics.entry(k).or_default() += v;
                 }
+            } else if name.ends_with(".log") {
+                let text = std::fs::read(&path).map_err(|e| format!("{name}: {e}"))?;
+                stale.extend(stale_reports(&name, &String::from_utf8_lossy(&text)));
             } else if name.ends_with(".jsonl") {
                 history
                     .extend(read_jsonl::<HistoryLine>(&path).map_err(|e| format!("{name}: {e}"))?);
@@ -281,6 +332,15 @@ impl Input {
                 Vec::new()
             },
             history,
+            stale_reports: stale,
+            periodic: if optional("db/periodic.jsonl") {
+                let text = std::fs::read_to_string(dir.join("db/periodic.jsonl"))
+                    .map_err(|e| format!("db/periodic.jsonl: {e}"))?;
+                super::periodic::Periodic::parse(&text)
+                    .map_err(|e| format!("db/periodic.jsonl: {e}"))?
+            } else {
+                Default::default()
+            },
             metrics,
         }))
     }
@@ -314,6 +374,8 @@ impl Input {
             leases: p.leases,
             operator: p.operator,
             history: p.history,
+            stale_reports: p.stale_reports,
+            periodic: p.periodic,
             metrics: p.metrics,
             epoch,
             ambiguous_keys,

@@ -391,6 +391,19 @@ pub fn results(c: &Input, f: &mut Findings, s: &mut Stats) {
         }
         s.ledger_reused += l.ledger_hits as u64;
     }
+    // Whatever any path stored (returned, completed in a transaction), within the cap.
+    for j in &c.jobs {
+        let bytes = j.result.as_ref().map_or(0, |r| r.to_string().len());
+        if c.run.max_result_bytes > 0 && bytes > c.run.max_result_bytes {
+            f.add(
+                "result_over_limit",
+                format!(
+                    "job {} ({}) stored a result of {bytes} bytes, over the cap of {}",
+                    j.id, j.state, c.run.max_result_bytes
+                ),
+            );
+        }
+    }
     for j in c.jobs.iter().filter(|j| j.state == "done") {
         let gen = j
             .result

@@ -326,6 +326,9 @@ pub fn coverage(c: &Input, f: &mut Findings, s: &mut Stats) {
             ),
         );
     }
+    if !c.periodic.clock_end_us.is_empty() && c.periodic.fires.is_empty() {
+        f.add("coverage", "the periodic schedules never fired".to_string());
+    }
     let unknown_kind_jobs = c.jobs.iter().filter(|j| j.kind == UNKNOWN_KIND).count() as u64;
     let dead_jobs = c.jobs.iter().filter(|j| j.state == "dead").count() as u64;
     s.guarded = vec![
@@ -356,6 +359,9 @@ pub fn coverage(c: &Input, f: &mut Findings, s: &mut Stats) {
         // Second edition: the scenarios and the retention operator.
         ("flood_successor_waited_for_slot", s.flood_successor_waited),
         ("poison_result_jobs", s.poison_results),
+        ("poison_outcome_jobs", s.poison_outcomes),
+        ("stale_counts_checked", s.stale_reports),
+        ("periodic_fires_checked", s.periodic_fires),
         ("poison_payload_jobs", s.poison_payloads),
         ("poison_neighbours_checked", s.poison_neighbours),
         ("txhold_held_past_lease", txhold_long(c)),

@@ -18,6 +18,7 @@ mod execution;
 mod input;
 mod jobs;
 mod leases;
+mod periodic;
 mod poison;
 mod report;
 mod retention;
@@ -32,7 +33,7 @@ pub use execution::RACE_REAPER;
 pub use input::Input;
 
 /// Every invariant, in report order, with what a violation means.
-pub const INVARIANTS: [(&str, &str); 37] = [
+pub const INVARIANTS: [(&str, &str); 41] = [
     ("lost", "an acknowledged enqueue has no row"),
     ("unexpected", "a row no enqueue asked for"),
     ("stuck", "pending or waiting after the drain"),
@@ -119,12 +120,24 @@ pub const INVARIANTS: [(&str, &str); 37] = [
         "a running handler ended cancelled with no cancel requested on its row",
     ),
     (
+        "false_stale",
+        "an attempt counted stale though its own generation's completion committed",
+    ),
+    (
+        "result_over_limit",
+        "a stored result larger than the result cap",
+    ),
+    (
         "ending_late",
         "a handler returned ok and its ending came over a lease later, no fault to explain it",
     ),
     (
         "poison_result",
-        "a result with NUL or over the cap not dead with a reason naming the result",
+        "a result with NUL, over the cap or too deep (returned or completed in a transaction) not dead with a reason naming the result",
+    ),
+    (
+        "poison_outcome",
+        "an effect outcome that cannot be recorded not dead naming the outcome, or its effect applied again",
     ),
     (
         "poison_payload",
@@ -133,6 +146,10 @@ pub const INVARIANTS: [(&str, &str); 37] = [
     (
         "poison_neighbour",
         "a job claimed or completed beside a poison job suffered for it",
+    ),
+    (
+        "periodic_fire",
+        "a periodic fire time enqueued twice, missed while a build ran, off its spec, or wrong on a daylight-saving night",
     ),
     (
         "pruned_dead",
@@ -231,6 +248,11 @@ pub struct Stats {
     pub chain_claim_to_start_max_ms: i64,
     // Poison and retention.
     pub poison_results: u64,
+    pub poison_outcomes: u64,
+    /// Stale counts read from the workers' logs (see `endings::false_stale`).
+    pub stale_reports: u64,
+    /// Periodic fires checked (see `periodic`).
+    pub periodic_fires: u64,
     pub poison_payloads: u64,
     pub poison_neighbours: u64,
     /// Handlers that returned ok, their endings checked for delay; late ones a fault
@@ -283,8 +305,10 @@ pub fn check(dir: &Path) -> Result<Report, String> {
     effects::check(&input, &mut f, &mut s);
     execution::check(&input, &mut f, &mut s);
     endings::check(&input, &mut f, &mut s);
+    endings::false_stale(&input, &mut f, &mut s);
     starts::check(&input, &mut f, &mut s);
     poison::check(&input, &mut f, &mut s);
+    periodic::check(&input.periodic, &mut f, &mut s);
     retention::check(&input, &mut f, &mut s);
     leases::expiries(&input, &mut f, &mut s);
     leases::reaps(&input, &mut f, &mut s);

@@ -1,6 +1,8 @@
-//! Poison is contained: a job whose result cannot be stored (a NUL, or over the result
-//! cap) or whose payload cannot be decoded (nested deeper than 128) ends dead with a
-//! reason that says so, and nothing else suffers for it.
+//! Poison is contained: a job whose result cannot be stored or read back (a NUL, over the
+//! result cap, nested deeper than 128; returned, or completed in the handler's own
+//! transaction), whose effect's outcome cannot be recorded, or whose payload cannot be
+//! decoded ends dead with a reason that says so, an effect whose outcome could not be
+//! recorded is not applied again, and nothing else suffers for it.
 //!
 //! Neighbours are the jobs that shared the poison job's statements, as far as the
 //! artifacts show them:
@@ -51,14 +53,33 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         let expect = c.expect(j);
         let (want, what) = match expect {
             "poison_result" => ("result", "a poisoned result"),
+            "poison_outcome" => ("outcome", "an effect outcome that cannot be recorded"),
             "poison_payload" => ("decod", "an undecodable (too deep) payload"),
             _ => continue,
         };
         poison.insert(j.id);
-        if expect == "poison_result" {
-            s.poison_results += 1;
-        } else {
-            s.poison_payloads += 1;
+        match expect {
+            "poison_result" => s.poison_results += 1,
+            "poison_outcome" => s.poison_outcomes += 1,
+            _ => s.poison_payloads += 1,
+        }
+        if expect == "poison_outcome" {
+            // The effect happened once; no attempt may apply it again.
+            let applied = c
+                .effects
+                .iter()
+                .filter(|e| e.job == j.id && e.decision == "applied")
+                .filter(|e| e.worker != crate::nemesis_operator::NEIGHBOUR_WORKER)
+                .count();
+            if applied > 1 {
+                f.add(
+                    "poison_outcome",
+                    format!(
+                        "job {} whose effect outcome could not be recorded applied its effect {applied} times",
+                        j.id
+                    ),
+                );
+            }
         }
         if j.state == "cancelled" {
             continue; // an operator's cancel got there first
@@ -68,9 +89,15 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         // worker, a release at shutdown) before a worker got to them, so a job whose
         // attempts faults used up may end dead of an expiry. An operator's retry (the
         // retention loop races `retry_dead`) starts it over.
+        // An effect's outcome is poisoned only once the effect answers: an attempt whose
+        // effect call failed first (a lost reply) fails and retries, as any would.
+        let ended = |event: &str| match expect {
+            "poison_outcome" => matches!(event, "completed" | "dead"),
+            _ => matches!(event, "completed" | "failed" | "dead"),
+        };
         let ended_by_worker_otherwise = c.events.iter().any(|e| {
             e.job_id == j.id
-                && matches!(e.event.as_str(), "completed" | "failed" | "dead")
+                && ended(e.event.as_str())
                 && !e
                     .detail
                     .as_deref()
@@ -82,10 +109,10 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         let contained = reason.contains(want) || !unexplained_expiry(j.id);
         if j.state != "dead" || ended_by_worker_otherwise || !contained {
             f.add(
-                if expect == "poison_result" {
-                    "poison_result"
-                } else {
-                    "poison_payload"
+                match expect {
+                    "poison_result" => "poison_result",
+                    "poison_outcome" => "poison_outcome",
+                    _ => "poison_payload",
                 },
                 format!(
                     "job {} with {what} ended {} after {} attempts, reason {:?}",

@@ -546,7 +546,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 34] = [
+pub const CASES: [Case; 39] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -587,7 +587,166 @@ pub const CASES: [Case; 34] = [
     ("reap_late", reap_late),
     ("host_tx_broken", host_tx_broken),
     ("neighbour_effect_shared", neighbour_effect_shared),
+    ("poison_outcome", poison_outcome),
+    ("false_stale", false_stale),
+    ("stale_reports_parse", stale_reports_parse),
+    ("result_over_limit", result_over_limit),
+    ("periodic_fire", periodic_fire),
 ];
+
+/// Periodic fires: each schedule's rule fires on a run that breaks it and stays quiet on
+/// one that keeps it.
+fn periodic_fire() -> Result<(), String> {
+    use super::periodic::{Fire, Periodic};
+    let t = |s: &str| {
+        s.parse::<chrono::DateTime<chrono::Utc>>()
+            .unwrap()
+            .timestamp_micros()
+    };
+    let build = |episode: &str, schedule: &str, times: &[i64], clock_end: i64| {
+        let mut p = Periodic::default();
+        for (i, at) in times.iter().enumerate() {
+            p.fires.push(Fire {
+                episode: episode.into(),
+                schedule: schedule.into(),
+                job_id: i as i64 + 1,
+                run_at_us: *at,
+                fire_at_us: Some(*at),
+            });
+        }
+        p.clock_end_us.insert(episode.into(), clock_end);
+        let mut f = Findings::default();
+        super::periodic::check(&p, &mut f, &mut Stats::default());
+        f
+    };
+    let s0 = t("2027-03-28T00:50:00Z");
+    let secs = |from: i64, step: i64, n: i64| {
+        (0..n)
+            .map(|i| from + i * step * 1_000_000)
+            .collect::<Vec<_>>()
+    };
+    // tick: a missed second, and a doubled one.
+    let mut missed = secs(s0, 1, 10);
+    missed.remove(4);
+    expect(
+        "periodic_fire",
+        build("spring", "tick", &missed, s0),
+        build("spring", "tick", &secs(s0, 1, 10), s0),
+    )?;
+    let mut doubled = secs(s0, 1, 10);
+    doubled.push(s0 + 3_000_000);
+    expect(
+        "periodic_fire",
+        build("spring", "tick", &doubled, s0),
+        build("spring", "tick", &secs(s0, 1, 10), s0),
+    )?;
+    // deploy: a missed 2 s time; the switch from the 2 s grid to the 3 s grid is fine.
+    let mut switch = secs(s0, 2, 5);
+    switch.extend(secs(s0 + 9_000_000, 3, 4));
+    let mut gap = secs(s0, 2, 5);
+    gap.remove(2);
+    expect(
+        "periodic_fire",
+        build("spring", "deploy", &gap, s0),
+        build("spring", "deploy", &switch, s0),
+    )?;
+    // gap: skipped (the clock passed the night), or fired at 02:00 local time.
+    let after = t("2027-03-28T01:05:00Z");
+    expect(
+        "periodic_fire",
+        build("spring", "gap", &[], after),
+        build("spring", "gap", &[t("2027-03-28T01:00:00Z")], after),
+    )?;
+    expect(
+        "periodic_fire",
+        build("spring", "gap", &[t("2027-03-28T01:00:05Z")], after),
+        build("spring", "gap", &[], s0),
+    )?;
+    // overlap: a fire in the second hour 1.
+    let first = secs(t("2027-11-07T05:59:00Z"), 5, 12);
+    let mut twice = first.clone();
+    twice.push(t("2027-11-07T06:00:00Z"));
+    let end = t("2027-11-07T06:10:00Z");
+    expect(
+        "periodic_fire",
+        build("autumn", "overlap", &twice, end),
+        build("autumn", "overlap", &first, end),
+    )
+}
+
+/// A job whose effect outcome could not be recorded: dead naming the outcome with its
+/// effect applied once keeps the rule; done, or applied a second time, breaks it.
+fn poison_outcome() -> Result<(), String> {
+    let build = |state: &str, applies: u64| {
+        let mut s = Synth::new();
+        s.job(1, None, None, state).last_error =
+            Some("effect … happened, but its outcome cannot be recorded".into());
+        s.expect(1, "poison_outcome");
+        for seq in 1..=applies {
+            s.0.effects.push(crate::model::EffectLog {
+                seq,
+                t_us: us(seq as i64 * 10),
+                effect_key: "0b9f2c4e-5d1a-4e8b-9c3f-7a6d5e4b3c21/1/s0".into(),
+                job: 1,
+                step: "s0".into(),
+                generation: seq as i64,
+                key: None,
+                key_seq: None,
+                worker: "w0.1".into(),
+                decision: "applied".into(),
+                reply_dropped: false,
+            });
+        }
+        s.run(poison::check)
+    };
+    expect("poison_outcome", build("done", 1), build("dead", 1))?;
+    expect("poison_outcome", build("dead", 2), build("dead", 1))
+}
+
+/// A stale count for a generation whose completion committed breaks the rule; one for a
+/// generation that another ended does not.
+fn false_stale() -> Result<(), String> {
+    let build = |completed_gen: i64| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.event(1, 1, "claimed", 100, "owner-w0");
+        s.event(1, 1, "reaped", 2200, "reaper");
+        s.event(1, 2, "claimed", 2300, "owner-w1");
+        s.event(1, completed_gen, "completed", 2400, "owner-w0");
+        s.0.stale_reports.push(super::input::StaleReport {
+            log: "w0.1.log".into(),
+            job: 1,
+            generation: 1,
+            what: "failure".into(),
+        });
+        s.run(super::endings::false_stale)
+    };
+    expect("false_stale", build(1), build(2))
+}
+
+/// The log lines `false_stale` reads, as the worker's tracing writes them.
+fn stale_reports_parse() -> Result<(), String> {
+    let log = "2026-12-07T18:00:00.123456Z  WARN leasehold.attempt{job=7 job.generation=3}: \
+               leasehold::executor: leasehold failure refused: this worker no longer owns the job \
+               job=7 generation=3\n\
+               2026-12-07T18:00:01Z  INFO leasehold::executor: something else job=8 generation=1\n";
+    let got = super::input::stale_reports("w0.1.log", log);
+    match got.as_slice() {
+        [r] if r.job == 7 && r.generation == 3 && r.what == "failure" => Ok(()),
+        other => Err(format!("stale reports parsed as {other:?}")),
+    }
+}
+
+/// A stored result over the cap breaks the rule, whatever the job's state.
+fn result_over_limit() -> Result<(), String> {
+    let build = |bytes: usize| {
+        let mut s = Synth::new();
+        s.0.run.max_result_bytes = 100;
+        s.job(1, None, None, "dead").result = Some(serde_json::json!("r".repeat(bytes)));
+        s.run(super::jobs::results)
+    };
+    expect("result_over_limit", build(200), build(50))
+}
 
 /// A neighbour schema's job 1 applies its effect after this schema's job 1 did: a
 /// finding when the store answers it with job 1's receipt (one key for both), none when
