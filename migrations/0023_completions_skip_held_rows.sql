@@ -112,7 +112,9 @@ BEGIN
            NULL::smallint, NULL::jsonb, NULL::integer, NULL::integer, NULL::integer,
            NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::float8, i.e::text
     FROM unnest(p_ids, p_generations, p_queues, p_keys, p_identities) AS i(id, g, q, k, e)
-    WHERE NOT EXISTS (SELECT 1 FROM unnest(lq, lk) AS l(q, k) WHERE l.q = i.q AND l.k = i.k)
+    WHERE (NOT EXISTS (SELECT 1 FROM unnest(lq, lk) AS l(q, k) WHERE l.q = i.q AND l.k = i.k)
+           -- A key row that does not exist is not held: its job is gone (stale).
+           AND EXISTS (SELECT 1 FROM __SCHEMA__.job_keys jk WHERE jk.queue = i.q AND jk.job_key = i.k))
        OR (p_row_wait_ms IS NULL AND i.id <> ALL (coalesce(li, '{}'))
            AND EXISTS (SELECT 1 FROM __SCHEMA__.jobs j
                        WHERE j.id = i.id AND j.generation = i.g AND j.owner = p_owner

@@ -133,6 +133,12 @@ struct Inner {
     /// (`NOT_STARTED`, `STARTED`, `START_RECORDED`): an expired lease counts as an
     /// attempt only once its start is recorded (see migrations/0015_recorded_starts.sql).
     start: AtomicU8,
+    /// This process claimed the same attempt (job, generation, identity) again, so this
+    /// one no longer holds its job: see [`JobContext::supersede`].
+    superseded: AtomicBool,
+    /// The superseded attempt's slot in the queue limits is still counted (see
+    /// `Env::untrack`).
+    superseded_counted: AtomicBool,
 }
 
 const NOT_STARTED: u8 = 0;
@@ -169,6 +175,8 @@ impl JobContext {
                 deadline: AtomicU64::new(to_nanos(deadline)),
                 ending: AtomicBool::new(false),
                 start: AtomicU8::new(NOT_STARTED),
+                superseded: AtomicBool::new(false),
+                superseded_counted: AtomicBool::new(false),
             }),
         }
     }
@@ -306,6 +314,43 @@ impl JobContext {
         *self.inner.reason.lock().unwrap()
     }
 
+    /// This process claimed this very attempt again (the same job, generation and
+    /// identity: the job's row went back to an earlier state under the running process,
+    /// a schema restored from an older dump): the database cannot tell the two apart, so
+    /// this older one stops as if its lease were lost and writes nothing more. Its
+    /// handler is told to stop; its ending, its completion in a transaction, its progress
+    /// and its effect records are refused here, before any statement.
+    pub(crate) fn supersede(&self) {
+        self.inner.superseded_counted.store(true, SeqCst);
+        self.inner.superseded.store(true, SeqCst);
+        self.cancel(CancelReason::LeaseLost);
+    }
+
+    pub(crate) fn is_superseded(&self) -> bool {
+        self.inner.superseded.load(SeqCst)
+    }
+
+    /// True once, for a superseded attempt whose queue-limit slot is still counted.
+    pub(crate) fn take_superseded_count(&self) -> bool {
+        self.inner.superseded_counted.swap(false, SeqCst)
+    }
+
+    /// Whether `other` is this very context (not only the same attempt's fence).
+    pub(crate) fn same_context(&self, other: &JobContext) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    fn refuse_if_superseded(&self, what: &str) -> Result<(), JobError> {
+        if self.is_superseded() {
+            return Err(JobError::retry(format!(
+                "{what} refused: this process claimed job {} again at the same generation \
+                 (its row went back to an earlier state), so this older attempt no longer holds it",
+                self.inner.job.id
+            )));
+        }
+        Ok(())
+    }
+
     pub(crate) fn cancel(&self, reason: CancelReason) {
         self.inner.reason.lock().unwrap().get_or_insert(reason);
         self.inner.cancel.cancel();
@@ -393,6 +438,9 @@ impl JobContext {
         conn: &mut PgConnection,
         result: Option<serde_json::Value>,
     ) -> Result<CompleteOutcome, JobError> {
+        if self.is_superseded() {
+            return Ok(CompleteOutcome::Stale);
+        }
         let outcome = self
             .inner
             .store
@@ -537,6 +585,9 @@ impl JobContext {
         &self,
         progress: &impl Serialize,
     ) -> Result<crate::FenceOutcome, JobError> {
+        if self.is_superseded() {
+            return Ok(crate::FenceOutcome::Stale);
+        }
         let value = crate::store::to_json(progress)
             .map_err(|e| JobError::permanent(format!("progress cannot be encoded: {e}")))?;
         self.inner
@@ -589,6 +640,7 @@ impl JobContext {
             }
         };
         let value = readable_outcome(&key, &outcome)?;
+        self.refuse_if_superseded(&format!("recording effect {key}"))?;
         let recorded = self
             .inner
             .store

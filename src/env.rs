@@ -107,15 +107,27 @@ impl Env {
             self.lease_deadline_after(sent),
         );
         let job = ctx.job();
-        if self.running.insert(job.attempt(), ctx.clone()).is_none() {
-            self.queue_limits.held(&job.queue, true);
+        match self.running.insert(job.attempt(), ctx.clone()) {
+            None => self.queue_limits.held(&job.queue, true),
+            // The same attempt claimed again (its row went back to an earlier state under
+            // this process): the older one no longer holds the job. Both hold a slot until
+            // the older one has stopped.
+            Some(older) if !older.same_context(&ctx) => {
+                older.supersede();
+                self.queue_limits.held(&job.queue, true);
+            }
+            Some(_) => {}
         }
         ctx
     }
 
     /// Stop tracking an attempt (its ending was written, or it was released).
     pub fn untrack(&self, ctx: &JobContext) {
-        if self.running.remove(&ctx.job().attempt()).is_some() {
+        let removed = self
+            .running
+            .remove_if(&ctx.job().attempt(), |_, v| v.same_context(ctx))
+            .is_some();
+        if removed || ctx.take_superseded_count() {
             self.queue_limits.held(ctx.queue(), false);
         }
     }

@@ -633,6 +633,11 @@ async fn write_ending(
     chain: Option<&std::sync::Mutex<Successor>>,
 ) -> Ended {
     let job = ctx.job();
+    // Claimed again by this process at the same fence: whatever this older attempt
+    // wrote would land on the newer one's row (see `JobContext::supersede`).
+    if ctx.is_superseded() {
+        return stale(env, job, "ending of an attempt claimed again");
+    }
     let fence = job.fence();
     let attempt = match attempt {
         // The handler completed inside its own transaction but that transaction did not

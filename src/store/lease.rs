@@ -43,14 +43,16 @@ WITH t AS (
         started_generation = CASE WHEN mine.started THEN j.generation
                                   ELSE j.started_generation END
     FROM mine WHERE j.id = mine.id
-    RETURNING j.id, j.lease_until, j.cancel_requested_at IS NOT NULL AS cancel_requested
+    RETURNING j.id, j.generation, j.effect_identity, j.lease_until,
+              j.cancel_requested_at IS NOT NULL AS cancel_requested
 )
 SELECT t.id, t.generation, t.identity::text AS identity, u.lease_until, coalesce(u.cancel_requested, false) AS cancel_requested,
        u.id IS NULL AND EXISTS (
            SELECT 1 FROM {s}.jobs j
            WHERE j.id = t.id AND j.generation = t.generation AND j.owner = $3
              AND j.effect_identity = t.identity AND j.state = 'running') AS busy
-FROM t LEFT JOIN u ON u.id = t.id"#;
+FROM t LEFT JOIN u
+  ON u.id = t.id AND u.generation = t.generation AND u.effect_identity = t.identity"#;
 
 /// What a batched renewal found.
 #[derive(Clone, Debug, Default)]
