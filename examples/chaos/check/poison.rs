@@ -89,11 +89,13 @@ pub fn check(c: &Input, f: &mut Findings, s: &mut Stats) {
         // worker, a release at shutdown) before a worker got to them, so a job whose
         // attempts faults used up may end dead of an expiry. An operator's retry (the
         // retention loop races `retry_dead`) starts it over.
-        // An effect's outcome is poisoned only once the effect answers: an attempt whose
-        // effect call failed first (a lost reply) fails and retries, as any would.
+        // A poisoned result or outcome is refused only once it is written: an attempt that
+        // failed first (a lost effect reply, a connection cut before `complete_in`) retries,
+        // as any would; a decode failure comes first, so a payload's attempts may not fail
+        // otherwise.
         let ended = |event: &str| match expect {
-            "poison_outcome" => matches!(event, "completed" | "dead"),
-            _ => matches!(event, "completed" | "failed" | "dead"),
+            "poison_payload" => matches!(event, "completed" | "failed" | "dead"),
+            _ => matches!(event, "completed" | "dead"),
         };
         let ended_by_worker_otherwise = c.events.iter().any(|e| {
             e.job_id == j.id
