@@ -9,23 +9,7 @@ mod common;
 
 use common::*;
 use leasehold::store::CancelOutcome;
-use leasehold::{Attempt, ClaimedJob, JobId, OwnerId, Store, StoreOptions};
-
-/// Drop the schema and create it again (ids restart at 1).
-async fn create_again(db: &TestDb) {
-    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", db.schema))
-        .execute(&db.owner)
-        .await
-        .unwrap();
-    Store::new(db.owner.clone(), &db.schema, StoreOptions::default())
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
-    if runtime_role().is_some() {
-        grant_runtime_role(&db.owner, &db.schema).await;
-    }
-}
+use leasehold::{Attempt, ClaimedJob, JobId, OwnerId};
 
 /// Job 1 claimed by `me`, then the schema created again and its new job 1 claimed by
 /// `me` too: (the dropped schema's attempt, the new job's attempt).
@@ -33,7 +17,7 @@ async fn two_job_1s(db: &TestDb, me: &OwnerId) -> (ClaimedJob, ClaimedJob) {
     let first = db.store.enqueue(job("k")).await.unwrap();
     assert_eq!(first, JobId(1));
     let old = db.store.claim(&claim_req(me, 1)).await.unwrap().remove(0);
-    create_again(db).await;
+    create_schema_again(db).await;
     let again = db.store.enqueue(job("k")).await.unwrap();
     assert_eq!(again, JobId(1), "ids restart at 1");
     let new = db.store.claim(&claim_req(me, 1)).await.unwrap().remove(0);

@@ -26,23 +26,6 @@ use leasehold::{
 use tokio::sync::Semaphore;
 use worker::{config_with_lease, run_in_system, wait_until};
 
-/// `pg_dump` of `db`'s schema, as a plain SQL script.
-fn dump_schema(db: &TestDb) -> String {
-    let o = base_options();
-    let out = std::process::Command::new("pg_dump")
-        .args(["--no-owner", "--no-privileges", "--schema", &db.schema])
-        .args(["--host", o.get_host(), "--port", &o.get_port().to_string()])
-        .args(["--username", o.get_username(), "--dbname", &test_db_name()])
-        .output()
-        .expect("pg_dump runs");
-    assert!(
-        out.status.success(),
-        "pg_dump: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 /// Drop `db`'s schema and restore `dump` in its place, in one transaction (psql
 /// `--single-transaction`), as an operator restoring a backup would.
 async fn restore_schema(db: &TestDb, dump: &str) {

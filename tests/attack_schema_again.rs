@@ -58,21 +58,6 @@ impl Handler for Pay {
     }
 }
 
-async fn create_again(db: &TestDb) {
-    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", db.schema))
-        .execute(&db.owner)
-        .await
-        .unwrap();
-    Store::new(db.owner.clone(), &db.schema, StoreOptions::default())
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
-    if runtime_role().is_some() {
-        grant_runtime_role(&db.owner, &db.schema).await;
-    }
-}
-
 #[test]
 fn a_job_of_a_schema_created_again_is_not_ended_by_an_attempt_of_the_dropped_schemas_job() {
     run_in_system(async {
@@ -114,7 +99,7 @@ fn a_job_of_a_schema_created_again_is_not_ended_by_an_attempt_of_the_dropped_sch
             // Past the ledger lookup, the old attempt is at the gateway (waiting for
             // its permit). The schema is dropped and created again; the new job 1 runs.
             tokio::time::sleep(Duration::from_millis(300)).await;
-            create_again(&db).await;
+            create_schema_again(&db).await;
             let fresh = Store::new(db.pool.clone(), &db.schema, StoreOptions::default()).unwrap();
             let new_id = fresh
                 .enqueue(NewJob::new("pay", &new).unwrap())

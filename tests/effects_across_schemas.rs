@@ -237,23 +237,6 @@ async fn job_1s_of_two_schemas_charging_through_once_are_two_charges() {
     .await
 }
 
-/// Drop `db`'s schema and create it again under the same name (its owner migrates it;
-/// the runtime role gets its grants again): ids restart at 1.
-async fn create_again(db: &TestDb) {
-    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", db.schema))
-        .execute(&db.owner)
-        .await
-        .unwrap();
-    Store::new(db.owner.clone(), &db.schema, StoreOptions::default())
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
-    if runtime_role().is_some() {
-        grant_runtime_role(&db.owner, &db.schema).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
     bounded(async {
@@ -342,7 +325,7 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
 
         // Second life: the schema is dropped and created again, the gateway remembers
         // the first life's keys. Job 1 again, with the same request, is another payment.
-        create_again(&db).await;
+        create_schema_again(&db).await;
         let id = db
             .store
             .enqueue(NewJob::new(KIND, &req).unwrap())
@@ -393,23 +376,6 @@ async fn a_retry_keeps_its_key_and_a_schema_created_again_charges_again() {
         db.drop().await;
     })
     .await
-}
-
-/// `pg_dump` of `db`'s schema, as a plain SQL script (what an operator keeps as a backup).
-fn dump_schema(db: &TestDb) -> String {
-    let o = base_options();
-    let out = std::process::Command::new("pg_dump")
-        .args(["--no-owner", "--no-privileges", "--schema", &db.schema])
-        .args(["--host", o.get_host(), "--port", &o.get_port().to_string()])
-        .args(["--username", o.get_username(), "--dbname", &test_db_name()])
-        .output()
-        .expect("pg_dump runs");
-    assert!(
-        out.status.success(),
-        "pg_dump: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
 }
 
 /// Drop `db`'s schema and restore `dump` into it with psql, as an operator restoring a

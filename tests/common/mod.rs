@@ -571,3 +571,41 @@ pub async fn claim_footprint(db: &TestDb, queues: &[&str], limit: i32) -> Footpr
         heap_fetches,
     }
 }
+
+/// Drop `db`'s schema and create it again under the same name (its owner migrates it;
+/// the runtime role gets its grants again): ids restart at 1.
+pub async fn create_schema_again(db: &TestDb) {
+    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", db.schema))
+        .execute(&db.owner)
+        .await
+        .unwrap();
+    leasehold::Store::new(
+        db.owner.clone(),
+        &db.schema,
+        leasehold::StoreOptions::default(),
+    )
+    .unwrap()
+    .migrate()
+    .await
+    .unwrap();
+    if runtime_role().is_some() {
+        grant_runtime_role(&db.owner, &db.schema).await;
+    }
+}
+
+/// `pg_dump` of `db`'s schema, as a plain SQL script (what an operator keeps as a backup).
+pub fn dump_schema(db: &TestDb) -> String {
+    let o = base_options();
+    let out = std::process::Command::new("pg_dump")
+        .args(["--no-owner", "--no-privileges", "--schema", &db.schema])
+        .args(["--host", o.get_host(), "--port", &o.get_port().to_string()])
+        .args(["--username", o.get_username(), "--dbname", &test_db_name()])
+        .output()
+        .expect("pg_dump runs");
+    assert!(
+        out.status.success(),
+        "pg_dump: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
