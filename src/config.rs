@@ -267,7 +267,10 @@ pub struct Config {
     pub completion_flush: Duration,
     /// Delete done and cancelled jobs that finished longer ago than this (checked by the
     /// reaper); dead jobs are kept (the dead-letter queue) until an operator retries or
-    /// cancels them. `None` keeps everything. Default 7 days.
+    /// cancels them. `None` keeps everything. Default 7 days; at least
+    /// [`DEFAULT_PRUNE_FLOOR`](crate::store::DEFAULT_PRUNE_FLOOR) (5 minutes: a worker
+    /// whose ending's reply was lost reads its job's row back to learn whether its write
+    /// committed, so the row must outlive that read).
     #[serde(with = "humantime_serde::option")]
     pub retention: Option<Duration>,
     /// How long a metrics scrape reuses the per-queue gauges read from the database
@@ -473,6 +476,19 @@ impl Config {
         }
         if self.sequencer_idle.is_zero() {
             return Err(refuse("sequencer_idle", "must be positive"));
+        }
+        if let Some(keep) = self.retention {
+            let floor = crate::store::DEFAULT_PRUNE_FLOOR;
+            if keep < floor {
+                return Err(refuse(
+                    "retention",
+                    format!(
+                        "must be at least {} (a worker may still read a finished job back), got {}",
+                        humantime::format_duration(floor),
+                        humantime::format_duration(keep)
+                    ),
+                ));
+            }
         }
         let window = self.longest_retry_window();
         if self.effect_keep < window {
@@ -874,5 +890,21 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("effect_keep"));
+    }
+
+    #[test]
+    fn a_retention_below_the_floor_is_refused_and_the_floor_itself_accepted() {
+        let floor = crate::store::DEFAULT_PRUNE_FLOOR;
+        let short = Config {
+            retention: Some(floor - Duration::from_secs(1)),
+            ..Config::default()
+        };
+        let err = short.validate().unwrap_err().to_string();
+        assert!(err.contains("retention") && err.contains("5m"), "{err}");
+        let at = Config {
+            retention: Some(floor),
+            ..Config::default()
+        };
+        at.validate().unwrap();
     }
 }

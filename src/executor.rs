@@ -787,19 +787,34 @@ async fn write_ending(
         }
         Attempt::Release(reason) => {
             let held = [job.attempt()];
-            let released = with_turns(ctx, env, || {
-                env.ending_store.release_many(&env.owner, &held, reason)
-            })
-            .await;
-            match released {
-                Ok(ids) if !ids.is_empty() => {
-                    env.metrics.incr(|c| &c.released);
-                    Ended::Released
+            loop {
+                let released = with_turns(ctx, env, || {
+                    env.ending_store
+                        .release_reporting(&env.owner, &held, reason)
+                })
+                .await;
+                match released {
+                    Ok(r) if !r.released.is_empty() => {
+                        env.metrics.incr(|c| &c.released);
+                        break Ended::Released;
+                    }
+                    // Still this attempt's (its key row held, or a cancel committed
+                    // while the statement waited): not stale; try again while the
+                    // lease is confirmed, else its expiry gives it back.
+                    Ok(r)
+                        if !r.busy.is_empty()
+                            && Instant::now() < ctx.lease_deadline()
+                            && ctx.cancel_reason() != Some(CancelReason::LeaseLost) =>
+                    {
+                        tokio::time::sleep(LOCK_RETRY_MAX).await;
+                    }
+                    Ok(_) => {
+                        break completed_before(env, ctx, &format!("was given back: {reason}"))
+                            .await
+                            .unwrap_or(Ended::Stale)
+                    }
+                    Err(_) => break Ended::Unknown,
                 }
-                Ok(_) => completed_before(env, ctx, &format!("was given back: {reason}"))
-                    .await
-                    .unwrap_or(Ended::Stale),
-                Err(_) => Ended::Unknown,
             }
         }
         Attempt::Abandoned => {
@@ -840,7 +855,10 @@ async fn completed_before(env: &Env, ctx: &JobContext, after: &str) -> Option<En
 /// or the row is gone while this attempt's lease still runs. A rolled-back completion
 /// leaves the row running under this attempt's lease, and retention deletes only
 /// finished jobs, so a row gone meanwhile was completed by this attempt and then pruned
-/// (with a short retention, before the read-back): not a lost fence.
+/// (a pass with its floor lowered, before the read-back): not a lost fence. Past the
+/// lease a row gone says nothing; retention's floor
+/// ([`DEFAULT_PRUNE_FLOOR`](crate::store::DEFAULT_PRUNE_FLOOR)) keeps it for the
+/// read-back.
 async fn committed_in_tx(env: &Env, ctx: &JobContext) -> Result<bool> {
     let job = ctx.job();
     let fence = job.fence();

@@ -231,7 +231,7 @@ async fn every_entry_point_of_a_fresh_store_behind_an_untold_transaction_pooler_
         call!("pause_queue", fresh().pause_queue("default", Some("op")));
         call!("resume_queue", fresh().resume_queue("default"));
         call!("paused_queues", fresh().paused_queues());
-        call!("prune", fresh().prune(Duration::from_secs(0), 100));
+        call!("prune", common::prune_now(&fresh(), 100));
         call!(
             "prune_with",
             fresh().prune_with(&PruneOptions::new(Duration::from_secs(0)))

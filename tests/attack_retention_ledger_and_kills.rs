@@ -151,7 +151,7 @@ async fn a_pruner_killed_inside_its_key_pass_leaves_every_key_able_to_continue_i
             .unwrap();
         let pruner = db.other_store("pruner").await;
         let p = pruner.clone();
-        let prune = tokio::spawn(async move { p.prune(Duration::ZERO, 100).await });
+        let prune = tokio::spawn(async move { common::prune_now(&p, 100).await });
         db.wait_until_lock_waiting("pruner").await;
         db.kill_and_wait("pruner").await;
         let killed = within(10, "the killed pass", prune).await.unwrap();
@@ -171,7 +171,7 @@ async fn a_pruner_killed_inside_its_key_pass_leaves_every_key_able_to_continue_i
         // The same store (its pool's connections were killed) prunes on.
         let mut report = None;
         for _ in 0..3 {
-            if let Ok(r) = pruner.prune(Duration::ZERO, 100).await {
+            if let Ok(r) = common::prune_now(&pruner, 100).await {
                 report = Some(r);
                 break;
             }

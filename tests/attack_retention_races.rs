@@ -56,7 +56,7 @@ async fn produce(store: Store, stop: Arc<AtomicBool>, style: u8) -> u64 {
 async fn prune_loop(store: Store, stop: Arc<AtomicBool>) -> (u64, u64, u64) {
     let (mut passes, mut skipped, mut keys) = (0, 0, 0);
     while !stop.load(Ordering::Relaxed) {
-        let r = store.prune(Duration::ZERO, 20).await.unwrap();
+        let r = common::prune_now(&store, 20).await.unwrap();
         passes += 1;
         skipped += r.skipped as u64;
         keys += r.keys;

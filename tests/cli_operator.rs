@@ -349,7 +349,7 @@ async fn the_printed_migration_applied_by_hand_leaves_migrate_nothing_to_do() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prune_deletes_finished_jobs_and_keeps_dead_letters() {
+async fn prune_deletes_finished_jobs_past_the_floor_and_keeps_dead_letters() {
     bounded(async {
         let db = TestDb::new("cli_prune").await;
         let (dead, _waiting, email) = stuck_key(&db).await;
@@ -362,6 +362,21 @@ async fn prune_deletes_finished_jobs_and_keeps_dead_letters() {
             std::env::var("PGPORT").unwrap_or_else(|_| "5432".into()),
             test_db_name()
         );
+        // Cancelled a moment ago: within the floor, kept whatever --older-than says.
+        let kept = json(
+            &db,
+            &["--database-url", &url, "prune", "--older-than", "0s"],
+        )
+        .await;
+        assert_eq!(kept["jobs"], 0, "{kept}");
+        sqlx::query(&format!(
+            "UPDATE {} SET finished_at = now() - interval '10 minutes' WHERE id = $1",
+            db.table("jobs")
+        ))
+        .bind(email.0)
+        .execute(&db.owner)
+        .await
+        .unwrap();
         let pruned = json(
             &db,
             &["--database-url", &url, "prune", "--older-than", "0s"],

@@ -31,6 +31,26 @@ async fn start(db: &TestDb, h: &Scripted, config: Config) -> Scheduler {
         .unwrap()
 }
 
+/// A scheduler with one slot, taken by a job gated on "finish", holding jobs ahead
+/// whatever the pace (a gated job makes the pace nil). A long lease (20 s): a
+/// give-back after a lease's wait, or an expiry, comes long after any test's bound.
+async fn one_slot_taken(db: &TestDb, h: &Scripted) -> (Scheduler, leasehold::JobId) {
+    let mut config = config_with_lease(&db.schema, Duration::from_secs(20));
+    config.concurrency = 1;
+    config.claim_ahead = 4;
+    config.claim_ahead_window = None;
+    let a = start(db, h, config).await;
+    let running = a
+        .enqueue_job(scripted(Script {
+            gate: Some("finish".into()),
+            ..work("running", 0)
+        }))
+        .await
+        .unwrap();
+    h.started("running", 10).await;
+    (a, running)
+}
+
 #[test]
 fn two_schedulers_claim_nothing_of_a_paused_queue_until_it_is_resumed() {
     run_in_system(within(60, "pause across schedulers", async {
@@ -117,21 +137,7 @@ fn a_pause_lets_the_running_job_finish_and_gives_back_the_jobs_claimed_ahead() {
     run_in_system(within(60, "pause with jobs claimed ahead", async {
         let db = TestDb::with_options("rt_pause_ahead", StoreOptions::default(), POOL).await;
         let h = Scripted::new(&db.pool);
-        // A long lease: the give-back after a lease's wait must not be what returns them.
-        let mut config = config_with_lease(&db.schema, Duration::from_secs(20));
-        config.concurrency = 1;
-        config.claim_ahead = 4;
-        // Held ahead whatever the pace (a gated job makes the pace nil).
-        config.claim_ahead_window = None;
-        let a = start(&db, &h, config).await;
-        let running = a
-            .enqueue_job(scripted(Script {
-                gate: Some("finish".into()),
-                ..work("running", 0)
-            }))
-            .await
-            .unwrap();
-        h.started("running", 10).await;
+        let (a, running) = one_slot_taken(&db, &h).await;
         let ahead = a
             .enqueue_many(
                 (0..3)
@@ -257,4 +263,81 @@ fn a_pause_holds_for_a_scheduler_that_starts_later_and_is_refused_for_a_bad_name
         a.shutdown().await.unwrap();
         db.drop().await;
     }))
+}
+
+/// A job claimed ahead and cancelled while it waits is cancelled when it is given back,
+/// even if its key row is held at that moment (a producer's transaction): the give-back
+/// tries again once the key is free, instead of dropping the job to its lease's expiry
+/// (the fault harness found a give-back that raced a cancel so: the key waited a lease).
+#[test]
+fn a_cancelled_job_given_back_while_its_key_is_held_is_cancelled_when_the_key_frees_not_at_its_lease_expiry(
+) {
+    run_in_system(within(
+        60,
+        "give-back of a cancelled job behind a held key",
+        async {
+            let db =
+                TestDb::with_options("rt_pause_cancel_held", StoreOptions::default(), POOL).await;
+            let h = Scripted::new(&db.pool);
+            let (a, running) = one_slot_taken(&db, &h).await;
+            let head = a
+                .enqueue_job(scripted(work("head", 0)).with_key("acct-held"))
+                .await
+                .unwrap();
+            let next = a
+                .enqueue_job(scripted(work("next", 0)).with_key("acct-held"))
+                .await
+                .unwrap();
+            wait_until(10, "the key's head to be claimed ahead", || async {
+                a.metrics().ready == 1
+            })
+            .await;
+            assert_eq!(
+                db.store.cancel(head, "not needed").await.unwrap(),
+                leasehold::CancelOutcome::Requested
+            );
+            // A producer's transaction holds the key row while the queue is paused.
+            let mut producer = db.owner.begin().await.unwrap();
+            sqlx::query(&format!(
+                "SELECT 1 FROM {} WHERE job_key = 'acct-held' FOR UPDATE",
+                db.table("job_keys")
+            ))
+            .execute(&mut *producer)
+            .await
+            .unwrap();
+            db.store.pause_queue("default", None).await.unwrap();
+            wait_until(5, "the give-back", || async { a.metrics().ready == 0 }).await;
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            assert_eq!(
+                db.store.job(head).await.unwrap().state,
+                JobState::Running,
+                "the key row is held: nothing can cancel the head yet"
+            );
+            producer.rollback().await.unwrap();
+            let freed = Instant::now();
+            wait_until(
+                5,
+                "the head to be cancelled once its key is free",
+                || async { db.store.job(head).await.unwrap().state == JobState::Cancelled },
+            )
+            .await;
+            assert!(freed.elapsed() < Duration::from_secs(5));
+            assert_eq!(
+                db.count_where("lease_expiries", &format!("job_id = {}", head.0))
+                    .await,
+                0,
+                "the head was cancelled by the give-back, not by its lease's expiry"
+            );
+            assert!(h.runs_of(head).is_empty(), "a cancelled job never ran");
+            db.store.resume_queue("default").await.unwrap();
+            h.open("finish");
+            wait_until(10, "the key's next job to run", || async {
+                db.store.job(next).await.unwrap().state == JobState::Done
+                    && db.store.job(running).await.unwrap().state == JobState::Done
+            })
+            .await;
+            a.shutdown().await.unwrap();
+            db.drop().await;
+        },
+    ))
 }

@@ -81,7 +81,7 @@ fn a_restart_in_the_middle_loses_and_duplicates_no_fire_time() {
         .await;
         // Retention prunes the fire records (and the done jobs); the schedule's own
         // position keeps those times from firing again.
-        db.store.prune(Duration::ZERO, 1000).await.unwrap();
+        common::prune_now(&db.store, 1000).await.unwrap();
         assert_eq!(db.count_where("periodic_fires", "true").await, 0);
         let c = start(&db, &h, vec![every_second("tick")]).await;
         tokio::time::sleep(Duration::from_millis(1500)).await;

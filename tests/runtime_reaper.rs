@@ -64,7 +64,7 @@ fn a_refused_heartbeat_never_stops_reaping_or_retention() {
         .unwrap();
 
         let mut config = fast_config(&db.schema);
-        config.retention = Some(Duration::from_secs(60));
+        config.retention = Some(leasehold::store::DEFAULT_PRUNE_FLOOR);
         let scheduler = Scheduler::builder(db.pool.clone(), config)
             .register(Quick)
             .start()

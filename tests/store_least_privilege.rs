@@ -469,7 +469,7 @@ async fn store_calls(db: &TestDb, store: &Store, pending: JobId) {
     // with no keep time (the handler's is kept for its retry window).
     let finished = "state IN ('done', 'cancelled')";
     let before = db.count_where("jobs", finished).await;
-    let pruned = store.prune(Duration::ZERO, 1000).await.unwrap();
+    let pruned = common::prune_now(store, 1000).await.unwrap();
     assert!(pruned.jobs > 0 && pruned.effects >= 1, "{pruned:?}");
     assert_eq!(
         db.count_where("jobs", finished).await,

@@ -75,7 +75,7 @@ async fn prune_keeps_a_dead_head_whose_key_then_runs_on_in_order_after_retry() {
         let plain = claim_one(&db, &w).await;
         complete(&db, &plain).await;
 
-        let report = db.store.prune(Duration::ZERO, 100).await.unwrap();
+        let report = common::prune_now(&db.store, 100).await.unwrap();
         let dead = db
             .store
             .job(ids[0])
@@ -192,7 +192,7 @@ async fn prune_never_deletes_a_dead_job_that_an_operator_is_retrying_right_now()
         // COMMITTED a DELETE that waited re-reads only its target row, not the subquery
         // that chose it, so whatever prune deletes it must re-check (or lock) on the row.
         let pruner = db.other_store("pruner").await;
-        let prune = tokio::spawn(async move { pruner.prune(Duration::ZERO, 100).await });
+        let prune = tokio::spawn(async move { common::prune_now(&pruner, 100).await });
         within(10, "prune to finish or wait for the job row", async {
             while !prune.is_finished() && !lock_waiting(&db, "pruner").await {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -252,7 +252,7 @@ async fn key_seq_and_fencing_token_keep_growing_after_retention_deleted_the_key_
             old.iter().map(|j| j.key_seq).collect::<Vec<_>>(),
             vec![Some(1), Some(2), Some(3)]
         );
-        let report = db.store.prune(Duration::ZERO, 100).await.unwrap();
+        let report = common::prune_now(&db.store, 100).await.unwrap();
         assert_eq!((report.jobs, report.keys), (3, 1), "{report:?}");
         assert_eq!(
             db.count_where("job_keys", "true").await,
@@ -295,7 +295,7 @@ async fn prune_never_deletes_a_key_row_while_a_job_of_the_key_exists() {
         // An idle key whose jobs are pruned: its row goes (prune does delete key rows).
         db.store.enqueue(keyed("k", "gone", 1)).await.unwrap();
         run_all(&db, &w).await;
-        let report = db.store.prune(Duration::ZERO, 100).await.unwrap();
+        let report = common::prune_now(&db.store, 100).await.unwrap();
         assert_eq!((report.jobs, report.keys), (1, 1), "{report:?}");
         assert_eq!(key_rows(&db, "gone").await, 0);
 
@@ -368,9 +368,9 @@ async fn retry_dead_of_a_continue_job_works_after_prune_passes() {
         assert_eq!(ran.iter().map(|j| j.id).collect::<Vec<_>>(), vec![second]);
 
         // The reaper prunes every pass; the dead job must stay retryable through them.
-        let report = db.store.prune(Duration::ZERO, 100).await.unwrap();
+        let report = common::prune_now(&db.store, 100).await.unwrap();
         assert_eq!(report.jobs, 1, "{report:?}");
-        db.store.prune(Duration::ZERO, 100).await.unwrap();
+        common::prune_now(&db.store, 100).await.unwrap();
 
         db.store
             .retry_dead(first)
@@ -482,6 +482,51 @@ async fn effect_ledger_keeps_outcomes_of_jobs_that_may_run_again_past_keep_until
         let report = db.store.prune(HOUR, 100).await.unwrap();
         assert_eq!(report.effects, 2, "{report:?}");
         assert_eq!(db.count_where("effects", "true").await, 0);
+        db.drop().await;
+    })
+    .await
+}
+
+/// A worker whose completion reply was lost reads its row back to learn whether the
+/// write committed: retention keeps every finished job at least the floor, whatever
+/// `keep` says, so that read finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_finished_within_the_floor_is_kept_by_a_pass_of_zero_retention_and_its_read_back_finds_it(
+) {
+    bounded(async {
+        let db = TestDb::new("ret_floor").await;
+        let recent = db.store.enqueue(job("k")).await.unwrap();
+        let w = owner("w");
+        let j = claim_one(&db, &w).await;
+        assert_eq!(j.id, recent);
+        complete(&db, &j).await;
+        let older = db.store.enqueue(job("k")).await.unwrap();
+        let o = claim_one(&db, &w).await;
+        complete(&db, &o).await;
+        sqlx::query(&format!(
+            "UPDATE {} SET finished_at = now() - interval '6 minutes' WHERE id = $1",
+            db.table("jobs")
+        ))
+        .bind(older.0)
+        .execute(&db.owner)
+        .await
+        .unwrap();
+
+        let report = db.store.prune(Duration::ZERO, 100).await.unwrap();
+        assert_eq!(
+            report.jobs, 1,
+            "only the job past the floor goes: {report:?}"
+        );
+        assert!(matches!(
+            db.store.job(older).await,
+            Err(Error::JobNotFound(_))
+        ));
+        assert_eq!(state(&db, recent).await, JobState::Done);
+        // The lost reply's read-back: this attempt's completion, found.
+        assert!(matches!(
+            db.store.completion_status(&j.fence()).await.unwrap(),
+            CompleteOutcome::AlreadyCompleted { .. }
+        ));
         db.drop().await;
     })
     .await

@@ -283,7 +283,7 @@ async fn a_key_enqueued_again_while_its_row_is_deleted_keeps_its_order_and_other
             .unwrap();
         // The pass deletes the jobs, then stops inside the key row's deletion, holding it.
         let pruner = db.other_store("pruner").await;
-        let prune = tokio::spawn(async move { pruner.prune(Duration::ZERO, 100).await });
+        let prune = tokio::spawn(async move { common::prune_now(&pruner, 100).await });
         db.wait_until_lock_waiting("pruner").await;
 
         // Another key of the same floor slot: its enqueue waits for nothing.
@@ -341,14 +341,14 @@ async fn a_key_pass_skips_a_slot_a_host_transaction_enqueued_into_and_never_wait
             .await
             .unwrap();
         let report = within(10, "a prune beside an open host transaction", async {
-            db.store.prune(Duration::ZERO, 100).await.unwrap()
+            common::prune_now(&db.store, 100).await.unwrap()
         })
         .await;
         assert_eq!((report.jobs, report.keys), (1, 0), "{report:?}");
         assert_eq!(db.count_where("job_keys", "job_key = 'acct'").await, 1);
         host.commit().await.unwrap();
         // Once it committed, the key's row goes, and the key comes back above it.
-        let report = db.store.prune(Duration::ZERO, 100).await.unwrap();
+        let report = common::prune_now(&db.store, 100).await.unwrap();
         assert_eq!(report.keys, 1, "{report:?}");
         let id = db.store.enqueue(keyed("k", "acct", 2)).await.unwrap();
         assert!(db.store.job(id).await.unwrap().key_seq > Some(1));

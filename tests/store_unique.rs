@@ -90,7 +90,7 @@ async fn while_open_frees_the_key_when_the_job_ends_and_forever_never_does() {
             .unwrap();
         assert_eq!((still.id, still.duplicate), (ever.id, true));
         // Retention does not prune a job whose unique key holds for ever.
-        let pruned = db.store.prune(Duration::ZERO, 100).await.unwrap();
+        let pruned = common::prune_now(&db.store, 100).await.unwrap();
         assert_eq!(pruned.jobs, 1, "the done while-open job is pruned");
         assert_eq!(db.state_of(ever.id).await, "done");
         let after = db

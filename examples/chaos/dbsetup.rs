@@ -9,7 +9,7 @@
 //! library needs, it must set on its own sessions.
 //!
 //! # Audit of retention
-//! The retention loop prunes every second with zero retention, so the rows the checker
+//! The retention loop prunes every second with zero retention (above its floor), so the rows the checker
 //! needs (jobs, their events and expiries, key rows) would be gone by the end. Statement
 //! triggers on the library's tables copy every deleted row, with the time it was
 //! deleted, into `chaos_audit.*`. They observe; they change nothing the library sees.

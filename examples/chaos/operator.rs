@@ -1,6 +1,10 @@
 //! The retention operator: through the fault phase, every second, prune with zero
-//! retention (every terminal job is old enough) and retry a dead job or two, the two
-//! racing each other and the workers.
+//! retention and retry a dead job or two, the two racing each other and the workers.
+//!
+//! The pass keeps the floor (a finished job stays at least that long, so a worker whose
+//! ending's reply was lost can read it back), scaled to the harness's leases: the
+//! default floor is ten default leases (5 minutes of 30 s), the harness's is fifteen of
+//! its own (30 s of 2 s), so pruning races the workers within the short run too.
 //!
 //! Why: retention is the only thing that deletes rows, and it runs beside everything
 //! else. Pruning a dead job deletes the dead-letter queue, and pruning a dead head
@@ -11,6 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use leasehold::store::PruneOptions;
 use leasehold::JobId;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -22,9 +27,12 @@ use crate::model::{now_us, OperatorRecord};
 pub async fn run(h: Arc<Harness>, mut rng: StdRng, phase_end: Instant) {
     // The same start as the nemesis: the workers come up first.
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut options = PruneOptions::new(Duration::ZERO);
+    options.floor = Duration::from_millis(15 * h.profile.lease_ms);
+    options.batch = 1000;
     while Instant::now() < phase_end {
         let pruned =
-            tokio::time::timeout(Duration::from_secs(5), h.store.prune(Duration::ZERO, 1000)).await;
+            tokio::time::timeout(Duration::from_secs(5), h.store.prune_with(&options)).await;
         let (ok, n, detail) = match pruned {
             Ok(Ok(r)) => (true, r.jobs, format!("{r:?}")),
             Ok(Err(e)) => (false, 0, e.to_string()),

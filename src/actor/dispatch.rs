@@ -195,10 +195,16 @@ impl SlotHandOff {
 /// a release is confirmed they stay tracked, so their leases are renewed and a
 /// renewal that finds a job no longer ours (the release did land) ends the retries for
 /// it; if the database stays away for a lease, they are dropped and their leases expire.
+///
+/// A job the statement answers as still held (a cancelled job whose key row another
+/// session holds, or one an operator's cancel reached while the statement waited for
+/// its row) is tried again too: taken as released, it was dropped while still running
+/// under this attempt's lease, and its key waited for that lease to expire (the fault
+/// harness found a cancel racing a give-back so).
 async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static str) {
     let give_up = Instant::now() + env.config.lease;
     let mut pause = Duration::from_millis(50);
-    // Jobs still to release: all of them, until a lock wait splits them up.
+    // Jobs still to release: all of them, until a statement answers for some.
     let mut left: Vec<&JobContext> = jobs.iter().collect();
     loop {
         left.retain(|j| j.cancel_reason() != Some(CancelReason::LeaseLost));
@@ -206,10 +212,15 @@ async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static 
             return;
         }
         let held: Vec<_> = left.iter().map(|j| j.job().attempt()).collect();
-        let e = match env.store.release_many(&env.owner, &held, reason).await {
-            Ok(ids) => {
-                env.metrics.add(|c| &c.released, ids.len() as u64);
-                return;
+        let why = match env.store.release_reporting(&env.owner, &held, reason).await {
+            Ok(answer) => {
+                env.metrics
+                    .add(|c| &c.released, answer.released.len() as u64);
+                left.retain(|j| answer.busy.contains(&j.job().id));
+                if left.is_empty() {
+                    return;
+                }
+                "still held (a key row another session holds, or a cancel meanwhile)".to_string()
             }
             // Another session holds one of the rows (its lock outlasted the writer's
             // `lock_timeout`): release the others one by one, so only the held row
@@ -218,8 +229,14 @@ async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static 
                 let mut still = Vec::new();
                 for j in left {
                     let one = [j.job().attempt()];
-                    match env.store.release_many(&env.owner, &one, reason).await {
-                        Ok(ids) => env.metrics.add(|c| &c.released, ids.len() as u64),
+                    match env.store.release_reporting(&env.owner, &one, reason).await {
+                        Ok(answer) => {
+                            env.metrics
+                                .add(|c| &c.released, answer.released.len() as u64);
+                            if !answer.busy.is_empty() {
+                                still.push(j);
+                            }
+                        }
                         Err(_) => still.push(j),
                     }
                 }
@@ -227,16 +244,16 @@ async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static 
                 if left.is_empty() {
                     return;
                 }
-                e
+                e.to_string()
             }
-            Err(e) => e,
+            Err(e) => e.to_string(),
         };
         if Instant::now() + pause < give_up {
-            tracing::warn!(error = %e, "leasehold could not give waiting jobs back; trying again (they will not start here)");
+            tracing::warn!(error = %why, n = left.len(), "leasehold could not give waiting jobs back; trying again (they will not start here)");
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(500));
         } else {
-            tracing::warn!(error = %e, "leasehold could not release waiting jobs; dropping them here, their leases will expire if no release landed");
+            tracing::warn!(error = %why, n = left.len(), "leasehold could not release waiting jobs; dropping them here, their leases will expire if no release landed");
             return;
         }
     }

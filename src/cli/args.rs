@@ -99,7 +99,8 @@ pub(crate) enum Command {
     },
     /// Delete done and cancelled jobs that finished long enough ago (dead jobs are kept).
     Prune {
-        /// Keep jobs that finished more recently than this (e.g. 7d, 12h).
+        /// Keep jobs that finished more recently than this (e.g. 7d, 12h); never less than
+        /// 5 minutes (a worker may still be reading a just-finished job back).
         #[arg(long, value_parser = duration)]
         older_than: Duration,
         /// Rows deleted per statement; prune repeats until nothing is left to delete.

@@ -72,10 +72,14 @@ WITH u AS (
 )
 SELECT available_at FROM u"#;
 
-/// Release for shutdown. A job an operator asked to cancel is not put back: it is
-/// cancelled, and its key moves on (its key row locked first, `SKIP LOCKED`: a release
-/// never waits, since the jobs it would hold meanwhile could not be renewed; a job whose
-/// key row is busy is left as it is, and its expiry cancels it).
+/// Release (give-backs, shutdown). A job an operator asked to cancel is not put back: it
+/// is cancelled, and its key moves on (its key row locked first, `SKIP LOCKED`: a release
+/// never waits, since the jobs it would hold meanwhile could not be renewed). One row per
+/// job asked for: `released` when it was given back or cancelled, else `busy` when it is
+/// still this attempt's and running as this statement's snapshot saw it: its key row
+/// was held, or an operator's cancel committed while the statement waited for the row
+/// (the key rows to lock were chosen from the snapshot, before the cancel). The caller
+/// tries a busy job again, it is never done.
 pub(super) const RELEASE: &str = r#"/* leasehold:release */
 WITH c AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $7::uuid[]) AS t(id, generation, identity)
@@ -104,10 +108,22 @@ WITH c AS (
     SELECT id, generation, CASE WHEN state = 'cancelled' THEN 'cancelled' ELSE 'released' END,
            $3, clock_timestamp(), $4 FROM u WHERE $6
 )
-SELECT id, queue, job_key, state,
+SELECT c.id, u.id IS NOT NULL AS released, u.queue, u.job_key, u.state,
+       u.id IS NULL AND EXISTS (
+           SELECT 1 FROM {s}.jobs j
+           WHERE j.id = c.id AND j.generation = c.generation AND j.owner = $3
+             AND j.effect_identity = c.identity AND j.state = 'running') AS busy,
        (SELECT count(pg_notify($5, left(q.queue, 1000)))
           FROM (SELECT DISTINCT queue FROM u WHERE state = 'pending') q) AS notified
-FROM u"#;
+FROM c LEFT JOIN u ON u.id = c.id AND u.generation = c.generation"#;
+
+/// What a release did: the jobs given back (or cancelled), and those still held by the
+/// attempt that asked (see `RELEASE`), to try again.
+#[derive(Debug, Default)]
+pub(crate) struct Released {
+    pub released: Vec<JobId>,
+    pub busy: Vec<JobId>,
+}
 
 /// Why an attempt failed, for [`Store::fail`].
 #[derive(Clone, Debug, Default)]
@@ -220,15 +236,30 @@ impl Store {
     /// Give jobs back without counting the attempt (graceful shutdown): pending and
     /// claimable at once by any worker; a job an operator asked to cancel is cancelled
     /// instead. Returns the ids actually released or cancelled.
-    #[tracing::instrument(name = "leasehold.release", level = "debug", skip_all, fields(n = jobs.len()))]
+    ///
+    /// A job missing from the answer is no longer this attempt's, or is still held: a
+    /// cancelled job whose key row another session holds, or one whose cancel was
+    /// committed while the statement waited for its row. Call again for a job that is
+    /// still yours (a renewal says so), or let its lease expire.
     pub async fn release_many(
         &self,
         owner: &OwnerId,
         jobs: &[Attempt],
         reason: &str,
     ) -> Result<Vec<JobId>> {
+        Ok(self.release_reporting(owner, jobs, reason).await?.released)
+    }
+
+    /// [`Store::release_many`], saying also which jobs are still held (to try again).
+    #[tracing::instrument(name = "leasehold.release", level = "debug", skip_all, fields(n = jobs.len()))]
+    pub(crate) async fn release_reporting(
+        &self,
+        owner: &OwnerId,
+        jobs: &[Attempt],
+        reason: &str,
+    ) -> Result<Released> {
         if jobs.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Released::default());
         }
         self.unless_history_refused("release", || self.release_once(owner, jobs, reason))
             .await
@@ -239,7 +270,7 @@ impl Store {
         owner: &OwnerId,
         jobs: &[Attempt],
         reason: &str,
-    ) -> Result<Vec<JobId>> {
+    ) -> Result<Released> {
         let ids: Vec<i64> = jobs.iter().map(|j| j.job.0).collect();
         let gens: Vec<i64> = jobs.iter().map(|j| j.generation.0).collect();
         let identities: Vec<&str> = jobs.iter().map(|j| j.identity.as_str()).collect();
@@ -255,10 +286,17 @@ impl Store {
             .bind(&identities)
             .fetch_all(self.on(&mut tx))
             .await?;
-        let mut released = Vec::with_capacity(rows.len());
+        let mut released = Released::default();
         let mut heads: Vec<KeyRef> = Vec::new();
         for row in &rows {
-            released.push(JobId(row.try_get("id")?));
+            let id = JobId(row.try_get("id")?);
+            if !row.try_get::<bool, _>("released")? {
+                if row.try_get::<bool, _>("busy")? {
+                    released.busy.push(id);
+                }
+                continue;
+            }
+            released.released.push(id);
             let key: Option<String> = row.try_get("job_key")?;
             if let (Some(key), "cancelled") = (key, row.try_get::<String, _>("state")?.as_str()) {
                 heads.push((row.try_get("queue")?, key));

@@ -66,8 +66,8 @@ pub use pause::PausedQueue;
 pub use progress::MAX_PROGRESS_BYTES;
 pub use reap::{ReapReport, UNSTARTED_EXPIRIES_MAX};
 pub use retention::{
-    PruneOptions, PruneReport, DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_STATEMENT_TIMEOUT,
-    RETENTION_LOCK_KEY,
+    PruneOptions, PruneReport, DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_FLOOR,
+    DEFAULT_PRUNE_STATEMENT_TIMEOUT, RETENTION_LOCK_KEY,
 };
 pub(crate) use schedulers::Heartbeat;
 pub use schedulers::LiveScheduler;

@@ -64,6 +64,18 @@ pub const DEFAULT_PRUNE_BATCH: i64 = 10_000;
 /// Default [`PruneOptions::statement_timeout`]: 10 s.
 pub const DEFAULT_PRUNE_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Default [`PruneOptions::floor`]: a job is kept at least 5 minutes after it finished,
+/// whatever `keep` says.
+///
+/// A worker whose ending's reply was lost (a cut connection, a restarted database)
+/// reads the job's row back to learn whether its write committed. Once the attempt's
+/// local lease deadline has passed, a row that is gone says nothing (this attempt's
+/// completion, another generation's, or an operator's cancel, then pruned), and the
+/// attempt is reported stale though its write may have committed. The floor keeps the
+/// row for those read-backs: they come within seconds of the write, minutes through a
+/// database restart.
+pub const DEFAULT_PRUNE_FLOOR: Duration = Duration::from_secs(5 * 60);
+
 /// How one retention pass runs: [`Store::prune_with`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -81,6 +93,11 @@ pub struct PruneOptions {
     pub statement_timeout: Duration,
     /// Delete idle key rows too. Default true; the reaper does it every few passes.
     pub keys: bool,
+    /// Nothing that finished less than this long ago is deleted, whatever `keep` says
+    /// (the effective retention is the larger of the two). Default
+    /// [`DEFAULT_PRUNE_FLOOR`]; lower it only where no worker can still be reading an
+    /// ending back (a test's own schema, a schema whose workers are all stopped).
+    pub floor: Duration,
 }
 
 impl PruneOptions {
@@ -91,7 +108,13 @@ impl PruneOptions {
             batch: DEFAULT_PRUNE_BATCH,
             statement_timeout: DEFAULT_PRUNE_STATEMENT_TIMEOUT,
             keys: true,
+            floor: DEFAULT_PRUNE_FLOOR,
         }
+    }
+
+    /// The retention this pass applies: `keep`, or the floor if that is longer.
+    pub fn effective_keep(&self) -> Duration {
+        self.keep.max(self.floor)
     }
 }
 
@@ -448,7 +471,7 @@ impl Store {
     }
 
     /// One retention pass: delete done and cancelled jobs that finished more than
-    /// `options.keep` ago (with their history, expiry records and expired effect
+    /// `options.keep` ago (never less than `options.floor`: [`DEFAULT_PRUNE_FLOOR`]) (with their history, expiry records and expired effect
     /// outcomes), at most a batch per statement; effect-ledger rows past their
     /// `keep_until` whose job is gone or done or cancelled; periodic fire records older
     /// than `keep`; and, with `options.keys`, key rows no job refers to any more.
@@ -477,7 +500,7 @@ impl Store {
     }
 
     async fn prune_steps(&self, options: &PruneOptions, report: &mut PruneReport) -> Result<()> {
-        let keep = secs(options.keep);
+        let keep = secs(options.effective_keep());
         let timeout = options.statement_timeout;
         let Some(now) = self.prune_all_jobs(options, report).await? else {
             return lost_lock(report);
@@ -531,7 +554,7 @@ impl Store {
         options: &PruneOptions,
         report: &mut PruneReport,
     ) -> Result<Option<DateTime<Utc>>> {
-        let keep = secs(options.keep);
+        let keep = secs(options.effective_keep());
         let timeout = options.statement_timeout;
         let memory = &self.inner.retention;
         let (resume, mut left_out) = memory.start();
@@ -662,7 +685,7 @@ impl Store {
             return Ok(Some(()));
         }
         let sql = self.schema().render(TRIM_HISTORY);
-        let keep = secs(options.keep);
+        let keep = secs(options.effective_keep());
         let started = Instant::now();
         let mut batch = options.batch.max(1);
         let mut conn = self.acquire().await?;

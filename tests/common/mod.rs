@@ -609,3 +609,17 @@ pub fn dump_schema(db: &TestDb) -> String {
     );
     String::from_utf8(out.stdout).unwrap()
 }
+
+/// A retention pass that deletes every done and cancelled job, however recently it
+/// finished: `keep` and the floor both zero. Only for a test's own schema, where no
+/// worker can still be reading an ending back (the floor's reason:
+/// `leasehold::store::DEFAULT_PRUNE_FLOOR`).
+pub async fn prune_now(
+    store: &Store,
+    batch: i64,
+) -> leasehold::Result<leasehold::store::PruneReport> {
+    let mut options = leasehold::store::PruneOptions::new(Duration::ZERO);
+    options.floor = Duration::ZERO;
+    options.batch = batch;
+    store.prune_with(&options).await
+}

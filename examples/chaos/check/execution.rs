@@ -18,7 +18,9 @@
 //!   same time. Two exceptions, both faults that break the lease from outside: a
 //!   process frozen by SIGSTOP runs nothing, so an attempt whose process was frozen when
 //!   the other began is excused if it ended within [`zombie_grace_ns`] of the process
-//!   resuming (its lease is gone; it must stop as soon as it runs again); and an
+//!   resuming (its lease is gone; it must stop as soon as it runs again), and so is one
+//!   whose process froze between its lease check and its first line before the other
+//!   began, if it started and ended within that grace; and an
 //!   attempt whose live lease the nemesis's racing reaper (its clock ahead of the
 //!   database's) took back is excused — no library can see that coming. Both are
 //!   counted in the report.
@@ -253,7 +255,18 @@ fn overlap(c: &Input, all: &[Attempt], f: &mut Findings, s: &mut Stats) {
                         a.start_mono <= *cont && *stop <= b.start_mono && a.end_mono <= cont + left
                     })
                 });
-                if excused {
+                // The other way round: `b`'s process checked its lease and froze before
+                // the handler's first line, while `a` was not yet running; it starts when
+                // the process resumes, with `a` running (the start `without_lease`
+                // excuses), and must stop within the grace.
+                let resumed_late = frozen.get(&b.w).is_some_and(|ws| {
+                    ws.iter().any(|(stop, cont, left)| {
+                        *stop <= a.start_mono
+                            && b.start_mono <= cont + left
+                            && b.end_mono <= cont + left
+                    })
+                });
+                if excused || resumed_late {
                     s.zombie_overlaps_excused += 1;
                     continue;
                 }

@@ -128,6 +128,22 @@ fn frozen_process_grace() -> Result<(), String> {
     expect("key_overlap", build(6000), build(4300))
 }
 
+/// A handler whose process froze between its lease check and its first line starts
+/// when the process resumes, after its successor generation began: excused if it stops
+/// within the grace after resuming, not if it runs on.
+fn frozen_before_first_line_grace() -> Result<(), String> {
+    let build = |zombie_end: i64| {
+        let mut s = Synth::new();
+        s.job(1, None, None, "done");
+        s.fault("sigstop", "w0", 100, 3000, vec![]);
+        s.attempt(1, 1, 2, None, 2500, Some(6000));
+        s.attempt(0, 1, 1, None, 3050, Some(zombie_end));
+        s.run(execution::check)
+    };
+    // Grace is renew (500 ms) + 1 s after SIGCONT at 3000.
+    expect("key_overlap", build(5000), build(3100))
+}
+
 fn key_start_order() -> Result<(), String> {
     let build = |second: i64| {
         let mut s = Synth::new();
@@ -546,7 +562,7 @@ fn rolled_back_enqueue() -> Result<(), String> {
 
 type Case = (&'static str, fn() -> Result<(), String>);
 
-pub const CASES: [Case; 39] = [
+pub const CASES: [Case; 40] = [
     ("key_overlap", key_overlap),
     (
         "completed_in_transaction",
@@ -557,6 +573,10 @@ pub const CASES: [Case; 39] = [
     ("race_reaped_excused", race_reaped_excused),
     ("killed_attempt_ends_at_reap", killed_attempt_ends_at_reap),
     ("frozen_process_grace", frozen_process_grace),
+    (
+        "frozen_before_first_line_grace",
+        frozen_before_first_line_grace,
+    ),
     ("key_start_order", key_start_order),
     ("key_epochs", key_epochs),
     ("key_floors_one_epoch", key_floors_one_epoch),
