@@ -332,11 +332,11 @@ fn not_startable(env: &Env, ctx: &JobContext) -> Option<Attempt> {
     }
     match ctx.cancel_reason() {
         Some(CancelReason::Shutdown) => Some(Attempt::Release("released at shutdown")),
-        Some(CancelReason::Cancelled) => Some(Attempt::Failed(Failure {
-            reason: "cancelled by operator before it started".into(),
-            permanent: true,
-            retry_after: None,
-        })),
+        // Given back, not failed: the release cancels a job an operator asked to cancel
+        // and, as for any release, does not count the attempt (its handler never ran).
+        Some(CancelReason::Cancelled) => {
+            Some(Attempt::Release("cancelled by operator before it started"))
+        }
         Some(CancelReason::LeaseLost | CancelReason::Timeout) => Some(Attempt::Abandoned),
         None if !ctx.lease_live() => Some(Attempt::Release(
             "lease not confirmed before the handler could start",
@@ -794,6 +794,10 @@ async fn write_ending(
                 })
                 .await;
                 match released {
+                    Ok(r) if !r.cancelled.is_empty() => {
+                        env.metrics.incr(|c| &c.cancelled);
+                        break Ended::Cancelled;
+                    }
                     Ok(r) if !r.released.is_empty() => {
                         env.metrics.incr(|c| &c.released);
                         break Ended::Released;

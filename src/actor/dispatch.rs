@@ -198,16 +198,25 @@ impl SlotHandOff {
 ///
 /// A job the statement answers as still held (a cancelled job whose key row another
 /// session holds, or one an operator's cancel reached while the statement waited for
-/// its row) is tried again too: taken as released, it was dropped while still running
-/// under this attempt's lease, and its key waited for that lease to expire (the fault
-/// harness found a cancel racing a give-back so).
+/// its row) is tried again for as long as renewals confirm its lease, however long the
+/// key is held: taken as released, it was dropped while still running under this
+/// attempt's lease, and its key waited for that lease to expire (the fault harness found
+/// a cancel racing a give-back so; an attack, a key held for three leases).
 async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static str) {
-    let give_up = Instant::now() + env.config.lease;
+    // Errors (the database away) end the retries after a lease; a busy answer does not.
+    let mut give_up = Instant::now() + env.config.lease;
     let mut pause = Duration::from_millis(50);
     // Jobs still to release: all of them, until a statement answers for some.
     let mut left: Vec<&JobContext> = jobs.iter().collect();
     loop {
-        left.retain(|j| j.cancel_reason() != Some(CancelReason::LeaseLost));
+        let before = left.len();
+        left.retain(|j| {
+            j.cancel_reason() != Some(CancelReason::LeaseLost)
+                && Instant::now() < j.lease_deadline()
+        });
+        if left.len() < before {
+            tracing::warn!(n = before - left.len(), "leasehold dropped jobs it could not give back before their local lease deadline; their leases will expire if no release landed");
+        }
         if left.is_empty() {
             return;
         }
@@ -220,7 +229,12 @@ async fn release_retrying(env: &Arc<Env>, jobs: &[JobContext], reason: &'static 
                 if left.is_empty() {
                     return;
                 }
-                "still held (a key row another session holds, or a cancel meanwhile)".to_string()
+                // The database answers: only errors count towards giving up.
+                give_up = Instant::now() + env.config.lease;
+                tracing::debug!(n = left.len(), "leasehold waiting jobs still held (a key row another session holds, or a cancel meanwhile); trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+                continue;
             }
             // Another session holds one of the rows (its lock outlasted the writer's
             // `lock_timeout`): release the others one by one, so only the held row

@@ -32,9 +32,12 @@ pub(super) const JOB_COLUMNS: &str = "id, queue, kind, job_key, key_seq, priorit
 pub enum CancelOutcome {
     /// The job was not running: it is cancelled now (a head's key moved on).
     Cancelled,
-    /// The job is running: its owner was asked to stop. It stays running until that
-    /// attempt ends (done if it completes, cancelled otherwise, or cancelled by the
-    /// reaper when its lease expires); its key moves on only then.
+    /// The job is running (or claimed ahead, waiting in its process for a slot): its
+    /// owner was asked to stop. It stays running until that attempt ends (done if it
+    /// completes, cancelled otherwise, or cancelled by the reaper when its lease
+    /// expires); its key moves on only then. A claimed-ahead job whose process has heard
+    /// of the cancel never starts; one whose slot freed just before runs as a running
+    /// job does.
     Requested,
 }
 
@@ -159,14 +162,14 @@ impl Store {
             "WITH u AS (
                  UPDATE {s}.jobs
                  SET state = $2,
-                     available_at = CASE WHEN $2 = 'pending' THEN greatest(available_at, now()) ELSE available_at END,
-                     finished_at = CASE WHEN $2 IN ('done', 'dead', 'cancelled') THEN now() END,
+                     available_at = CASE WHEN $2 = 'pending' THEN greatest(available_at, clock_timestamp()) ELSE available_at END,
+                     finished_at = CASE WHEN $2 IN ('done', 'dead', 'cancelled') THEN clock_timestamp() END,
                      lease_until = NULL,
                      last_error = CASE WHEN $2 = 'cancelled' THEN $4 ELSE last_error END
                  WHERE id = $1
                  RETURNING id, generation, queue, state)
              INSERT INTO {s}.job_events (job_id, generation, event, owner, at, detail)
-             SELECT id, generation, $3, $5, now(), $4 FROM u",
+             SELECT id, generation, $3, $5, clock_timestamp(), $4 FROM u",
         );
         sqlx::query(&sql)
             .bind(job.id.0)

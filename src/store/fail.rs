@@ -82,7 +82,8 @@ SELECT available_at FROM u"#;
 /// tries a busy job again, it is never done.
 pub(super) const RELEASE: &str = r#"/* leasehold:release */
 WITH c AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[], $7::uuid[]) AS t(id, generation, identity)
+    -- Each attempt once: a job named twice must leave its key once.
+    SELECT DISTINCT * FROM unnest($1::int8[], $2::int8[], $7::uuid[]) AS t(id, generation, identity)
 ), kl AS MATERIALIZED (
     SELECT jk.queue, jk.job_key FROM {s}.job_keys jk
     JOIN (SELECT DISTINCT j0.queue, j0.job_key FROM {s}.jobs j0 JOIN c ON j0.id = c.id
@@ -121,7 +122,11 @@ FROM c LEFT JOIN u ON u.id = c.id AND u.generation = c.generation"#;
 /// attempt that asked (see `RELEASE`), to try again.
 #[derive(Debug, Default)]
 pub(crate) struct Released {
+    /// Given back or cancelled.
     pub released: Vec<JobId>,
+    /// Of `released`, those cancelled (an operator had asked).
+    pub cancelled: Vec<JobId>,
+    /// Still this attempt's: try again.
     pub busy: Vec<JobId>,
 }
 
@@ -297,6 +302,9 @@ impl Store {
                 continue;
             }
             released.released.push(id);
+            if row.try_get::<Option<String>, _>("state")?.as_deref() == Some("cancelled") {
+                released.cancelled.push(id);
+            }
             let key: Option<String> = row.try_get("job_key")?;
             if let (Some(key), "cancelled") = (key, row.try_get::<String, _>("state")?.as_str()) {
                 heads.push((row.try_get("queue")?, key));
